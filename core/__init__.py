@@ -1,0 +1,12 @@
+"""specdec: lossless speculative decoding for transformers models, every method a plugin."""
+
+from .api import LLM, RequestOutput
+from .drafting import Drafter, DraftProposal, StepResult, TreeMask
+from .hookspecs import hookimpl
+from .plugins import DecodingType
+from .sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "DecodingType", "DraftProposal", "Drafter", "RequestOutput", "SamplingParams", "StepResult",
+           "TreeMask", "hookimpl"]

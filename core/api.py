@@ -1,0 +1,165 @@
+"""The Python API: ``LLM`` and its outputs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+
+import attrs
+import torch
+
+from .config import EngineConfig, SpecdecConfig, config_from_dict, load_config, merge_overrides, unstructure
+from .errors import ModelLoadError, RequestError
+from .executor.engine import Engine
+from .executor.metrics import RequestMetrics
+from .executor.model_runner import TargetModel
+from .models import load_causal_lm, load_tokenizer, model_display_name, resolve_model_dir
+from .plugins import drafter_plugin_manager, get_registry
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@attrs.define
+class RequestOutput:
+    """One finished request: ``text`` and ``token_ids`` hold the generated part only."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device: cuda was asked for but torch sees no CUDA device; use device: cpu or auto")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    # bfloat16 by default on CPU too: verifying 8 draft tokens costs barely more than 1 there.
+    return torch.bfloat16 if dtype == "auto" else DTYPES[dtype]
+
+
+class LLM:
+    """A target model, optionally with a drafting method, ready to generate.
+
+    ``LLM()`` loads the embedded SmolLM2-135M-Instruct without speculation;
+    ``LLM(model=..., speculative_config={"decoding_type": "ngram", "max_draft_len": 4})``
+    speculates with the named method (its plugin must be installed).
+    """
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 speculative_config: dict | None = None, dtype: str = "auto", device: str = "auto",
+                 engine: dict | EngineConfig | None = None, sampling: dict | SamplingParams | None = None,
+                 seed: int = 0, config: SpecdecConfig | None = None):
+        if config is None:
+            data = {"model": model, "tokenizer": tokenizer, "dtype": dtype, "device": device,
+                    "speculative_config": speculative_config,
+                    "engine": unstructure(engine) if isinstance(engine, EngineConfig) else (engine or {}),
+                    "sampling": unstructure(sampling) if isinstance(sampling, SamplingParams) else (sampling or {})}
+            config = config_from_dict(data)
+        self.config = config
+        if config.engine.num_threads:
+            torch.set_num_threads(config.engine.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        # Resolve the method before loading weights, so a missing plugin fails fast.
+        registry = get_registry()
+        spec = config.speculative_config
+        if spec is not None:
+            registry.resolve(spec.decoding_type)
+        path = resolve_model_dir(config.model)
+        tok_path = resolve_model_dir(config.tokenizer) if config.tokenizer else path
+        self.tokenizer = load_tokenizer(tok_path)
+        model_obj = load_causal_lm(path, self.dtype, self.device)
+        self.target = TargetModel(model_obj, self.tokenizer, model_display_name(config.model, path),
+                                  max_model_len=config.engine.max_model_len)
+        hooks = None
+        if spec is not None:
+            drafter = registry.create_drafter(spec, self.target)
+            hooks = drafter_plugin_manager(drafter, spec.decoding_type)
+        self.engine = Engine(self.target, config.engine, spec, hooks, seed=seed)
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike, **overrides) -> LLM:
+        """Build from a YAML file; ``overrides`` are dotted paths (``engine.max_batch_size=4``)."""
+        config = load_config(path)
+        if overrides:
+            config = merge_overrides(config, {k.replace("__", "."): v for k, v in overrides.items()})
+        return cls(config=config)
+
+    # -- prompts ----------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: give prompts as lists of token ids")
+            return self.tokenizer(prompt).input_ids
+        return [int(t) for t in prompt]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template; use generate() with a plain prompt")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    # -- generation -------------------------------------------------------------------
+
+    def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or many (strings or token-id lists), batched continuously."""
+        prompts = self._as_list(prompts)
+        params = sampling_params or self.config.sampling
+        reqs = [(p, self.engine.add_request(self.encode(p), params)) for p in prompts]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self._output(p, r) for p, r in reqs]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {role, content}) or to several."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params)
+
+    def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text pieces of one request as its tokens are accepted; ``last_output`` holds the result."""
+        params = sampling_params or self.config.sampling
+        req = self.engine.add_request(self.encode(prompt), params)
+        shown = ""
+        while not req.finished:
+            self.engine.step()
+            text = self._text(req)
+            if text.endswith("\ufffd") and not req.finished:
+                continue  # an incomplete UTF-8 sequence: wait for the next token
+            if len(text) > len(shown) and text.startswith(shown):
+                yield text[len(shown):]
+                shown = text
+        self.last_output = self._output(prompt, req)
+
+    def _text(self, req) -> str:
+        return req.stop_text if req.stop_text is not None else self.decode(req.output_token_ids)
+
+    def _output(self, prompt, req) -> RequestOutput:
+        if req.finish_reason == "error":
+            raise RequestError(req.error or "the request failed")
+        text = self._text(req)
+        return RequestOutput(request_id=req.request_id, prompt=prompt if isinstance(prompt, str) else None,
+                             prompt_token_ids=req.token_ids[:req.prompt_len], text=text,
+                             token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
+                             metrics=req.metrics)

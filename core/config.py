@@ -1,0 +1,316 @@
+"""Configuration: frozen attrs classes, built from YAML or dicts by a strict cattrs converter.
+
+Every error names the path of the bad field (``speculative_config.max_draft_lenn``) and
+what to do about it. ``speculative_config`` is structured into the config class that the
+plugin providing its ``decoding_type`` registered, so each method validates its own options.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import yaml
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+from .errors import ConfigError
+from .sampling_params import SamplingParams
+
+
+def in_range(lo: float | None = None, hi: float | None = None):
+    """attrs validator: ``lo <= value <= hi`` (None values pass; bounds may be None)."""
+
+    def check(inst, attribute, value):
+        if value is None:
+            return
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bounds = f"between {lo} and {hi}" if lo is not None and hi is not None else (
+                f">= {lo}" if lo is not None else f"<= {hi}")
+            raise ValueError(f"must be {bounds}, got {value!r}")
+
+    return check
+
+
+def one_of(*choices: str):
+    """attrs validator: the value is one of ``choices``."""
+
+    def check(inst, attribute, value):
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
+                             + _suggest(str(value), choices))
+
+    return check
+
+
+def _suggest(word: str, candidates) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeConfig:
+    """Options every decoding type shares; a plugin subclasses it for its own options.
+
+    Attributes:
+        decoding_type: the registered name of the method (``ngram``, ``eagle3``...).
+        max_draft_len: the most draft tokens proposed per request and step (tree: depth).
+        draft_len_schedule: batch size -> draft length. For ``B`` running requests the
+            entry with the largest key ``<= B`` applies; ``0`` turns speculation off.
+        min_acceptance_rate: a request whose acceptance rate over the last
+            ``acceptance_window`` speculative steps stays below this stops speculating
+            for ``retry_after`` steps, then tries again. ``0`` disables the switch.
+    """
+
+    decoding_type: str
+    max_draft_len: int = attrs.field(default=4, validator=in_range(1, 64))
+    draft_len_schedule: dict[int, int] | None = attrs.field(default=None)
+    min_acceptance_rate: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
+    acceptance_window: int = attrs.field(default=8, validator=in_range(1, None))
+    retry_after: int = attrs.field(default=16, validator=in_range(1, None))
+
+    @draft_len_schedule.validator
+    def _check_schedule(self, attribute, value):
+        if value is None:
+            return
+        for batch, length in value.items():
+            if batch < 1:
+                raise ValueError(f"batch size keys must be >= 1, got {batch}")
+            if not 0 <= length <= 64:
+                raise ValueError(f"draft lengths must be between 0 and 64, got {length} for batch size {batch}")
+
+    def draft_len_for_batch(self, batch_size: int) -> int:
+        if not self.draft_len_schedule:
+            return self.max_draft_len
+        keys = [k for k in self.draft_len_schedule if k <= batch_size]
+        return min(self.draft_len_schedule[max(keys)], self.max_draft_len) if keys else self.max_draft_len
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Engine options: batching, KV cache size, context length.
+
+    Attributes:
+        max_batch_size: most requests decoded in one step.
+        max_num_tokens: token budget of one target forward (prefill chunks included).
+        block_size: tokens per KV cache block.
+        kv_cache_blocks: size of the KV pool in blocks; if unset, ``kv_cache_memory_mb`` decides.
+        kv_cache_memory_mb: size of the KV pool in MiB when ``kv_cache_blocks`` is unset.
+        max_model_len: context length limit; defaults to the model's own.
+        enable_prefix_caching: share KV blocks of identical prompt prefixes across requests.
+        num_threads: torch CPU threads (None leaves torch's default).
+    """
+
+    max_batch_size: int = attrs.field(default=8, validator=in_range(1, 4096))
+    max_num_tokens: int = attrs.field(default=512, validator=in_range(16, None))
+    block_size: int = attrs.field(default=16, validator=in_range(1, 1024))
+    kv_cache_blocks: int | None = attrs.field(default=None, validator=in_range(1, None))
+    kv_cache_memory_mb: int = attrs.field(default=1024, validator=in_range(1, None))
+    max_model_len: int | None = attrs.field(default=None, validator=in_range(1, None))
+    enable_prefix_caching: bool = True
+    num_threads: int | None = attrs.field(default=None, validator=in_range(1, None))
+
+
+@attrs.frozen(kw_only=True)
+class SpecdecConfig:
+    """The whole configuration, as one YAML file holds it.
+
+    ``model: null`` means the embedded default model (SmolLM2-135M-Instruct).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = attrs.field(default="auto", validator=one_of("auto", "float32", "bfloat16", "float16"))
+    device: str = attrs.field(default="auto", validator=one_of("auto", "cpu", "cuda"))
+    speculative_config: SpeculativeConfig | None = None
+    sampling: SamplingParams = attrs.Factory(SamplingParams)
+    engine: EngineConfig = attrs.Factory(EngineConfig)
+
+
+# -- the strict converter -------------------------------------------------------------
+
+def _strict_int(value, _type):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _strict_float(value, _type):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _strict_bool(value, _type):
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _strict_str(value, _type):
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _str_or_strings(value, _type):
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"expected a string or a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    conv.register_structure_hook(int, _strict_int)
+    conv.register_structure_hook(float, _strict_float)
+    conv.register_structure_hook(bool, _strict_bool)
+    conv.register_structure_hook(str, _strict_str)
+    conv.register_structure_hook_func(lambda t: t == tuple[str, ...], _str_or_strings)
+    conv.register_structure_hook(SpeculativeConfig, _structure_speculative)
+    return conv
+
+
+def _structure_speculative(value, _type) -> SpeculativeConfig:
+    from .plugins import get_registry
+
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config: expected a mapping, got {value!r}")
+    if "decoding_type" not in value:
+        raise ConfigError("speculative_config.decoding_type: missing; name the method, "
+                          f"one of: {', '.join(get_registry().names())}")
+    entry = get_registry().resolve(value["decoding_type"])
+    data = dict(value, decoding_type=entry.name)
+    try:
+        return converter.structure(data, entry.config_class)
+    except ConfigError:
+        raise
+    except Exception as exc:  # cattrs' exception groups: flatten into one message
+        raise ConfigError(format_structure_error(exc, "speculative_config")) from None
+
+
+converter = _make_converter()
+
+
+def _fields_of(cl) -> list[str]:
+    try:
+        return [a.name for a in attrs.fields(cl)]
+    except Exception:
+        return []
+
+
+def _walk(exc: BaseException, path: str):
+    """Yield ``(path, message)`` for each leaf error in a cattrs exception tree."""
+    if isinstance(exc, ForbiddenExtraKeysError):
+        for key in sorted(exc.extra_fields):
+            yield f"{path}.{key}" if path else key, "unknown key" + _suggest(key, _fields_of(exc.cl))
+        return
+    if isinstance(exc, (ClassValidationError, IterableValidationError)):
+        for sub in exc.exceptions:
+            sub_path = path
+            for note in getattr(sub, "__notes__", []):
+                name = getattr(note, "name", None)
+                if name is None:
+                    name = getattr(note, "index", None)
+                if name is not None:
+                    sub_path = f"{path}.{name}" if path else str(name)
+                    break
+            yield from _walk(sub, sub_path)
+        return
+    if isinstance(exc, ConfigError):
+        yield "", str(exc)
+        return
+    if isinstance(exc, KeyError):
+        yield path, "missing required value"
+        return
+    yield path, str(exc)
+
+
+def format_structure_error(exc: BaseException, path: str = "") -> str:
+    lines = [f"{p}: {m}" if p else m for p, m in _walk(exc, path)]
+    return "\n".join(lines) if lines else str(exc)
+
+
+def structure(data: Any, cl: type, path: str = ""):
+    """Build ``cl`` from plain data; any problem becomes one ConfigError naming the paths."""
+    try:
+        return converter.structure(data, cl)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(format_structure_error(exc, path)) from None
+
+
+def unstructure(obj) -> Any:
+    return converter.unstructure(obj)
+
+
+def _check_top_level(data: Any, where: str) -> dict:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def config_from_dict(data: dict | None) -> SpecdecConfig:
+    return structure(_check_top_level(data, "config"), SpecdecConfig)
+
+
+def load_config(path: str | os.PathLike) -> SpecdecConfig:
+    """Read and validate a YAML config file. Relative model paths resolve against the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    cfg = structure(_check_top_level(data, str(path)), SpecdecConfig)
+    return _resolve_paths(cfg, path.parent)
+
+
+def _resolve_paths(cfg: SpecdecConfig, base: Path) -> SpecdecConfig:
+    def fix(p):
+        if p and not os.path.isabs(p) and (p.startswith(".") or (base / p).exists()):
+            return str((base / p).resolve())
+        return p
+
+    changes = {"model": fix(cfg.model), "tokenizer": fix(cfg.tokenizer)}
+    spec = cfg.speculative_config
+    if spec is not None and isinstance(getattr(spec, "speculative_model", None), str):
+        changes["speculative_config"] = attrs.evolve(spec, speculative_model=fix(spec.speculative_model))
+    return attrs.evolve(cfg, **changes)
+
+
+def merge_overrides(cfg: SpecdecConfig, overrides: dict) -> SpecdecConfig:
+    """Apply dotted-path overrides (``{"engine.max_batch_size": 4}``) such as CLI flags give."""
+    data = unstructure(cfg)
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            if node.get(key) is None:
+                node[key] = {}
+            node = node[key]
+        node[leaf] = value
+    return config_from_dict(data)
+
+
+def field_type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is None:
+        return getattr(tp, "__name__", str(tp))
+    args = ", ".join(field_type_name(a) for a in typing.get_args(tp))
+    return f"{getattr(origin, '__name__', str(origin))}[{args}]"

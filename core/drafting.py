@@ -1,0 +1,127 @@
+"""What drafters and the core hand each other: proposals, tree masks, verification results.
+
+A drafter is an object whose methods implement the hooks in :mod:`specdec.hookspecs`; the
+engine registers one instance per ``LLM`` in its own plugin manager. :class:`Drafter` is a
+convenient base: it keeps the method's config and the target model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+import torch
+
+if TYPE_CHECKING:
+    from .config import SpeculativeConfig
+    from .executor.model_runner import TargetModel
+    from .executor.request import Request
+
+#: How the children of one tree node were drawn from the draft distribution ``q``.
+#: ``deterministic``: chosen without randomness (argmax, top-k, n-gram lookup);
+#: ``iid``: each child drawn independently from ``q``; ``without_replacement``: drawn
+#: from ``q`` one after another, each excluding the ones drawn before it.
+SiblingSampling = Literal["deterministic", "iid", "without_replacement"]
+
+
+@attrs.define
+class DraftProposal:
+    """Draft tokens for one request: a chain or a tree rooted at its last committed token.
+
+    Attributes:
+        token_ids: the draft tokens, one per tree node, parents before children.
+        parents: for each node the index of its parent node, ``-1`` for a child of the root.
+            ``None`` means a chain (``[-1, 0, 1, ...]``).
+        draft_probs: ``[len(token_ids), vocab]``: row ``i`` is the distribution node ``i``
+            was drawn from, after the request's logits processing. ``None`` for drafters
+            without probabilities (n-gram lookup): the sampler treats ``q`` as one-hot.
+        sibling_sampling: how siblings were drawn (see :data:`SiblingSampling`).
+        aux_token_ids: tokens forwarded with the tree but never accepted (lookahead's
+            Jacobi window); their logits come back in :attr:`StepResult.aux_logits`.
+        aux_position_offsets: the position of each aux token relative to the root.
+    """
+
+    token_ids: list[int]
+    parents: list[int] | None = None
+    draft_probs: torch.Tensor | None = None
+    sibling_sampling: SiblingSampling = "deterministic"
+    aux_token_ids: list[int] = attrs.Factory(list)
+    aux_position_offsets: list[int] = attrs.Factory(list)
+
+    def __attrs_post_init__(self):
+        n = len(self.token_ids)
+        if self.parents is None:
+            self.parents = list(range(-1, n - 1))
+        if len(self.parents) != n:
+            raise ValueError(f"DraftProposal: {n} tokens but {len(self.parents)} parents")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"DraftProposal: node {i} has parent {p}; parents must come before children")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != n:
+            raise ValueError(f"DraftProposal: draft_probs has {self.draft_probs.shape[0]} rows for {n} tokens")
+        if len(self.aux_token_ids) != len(self.aux_position_offsets):
+            raise ValueError("DraftProposal: aux_token_ids and aux_position_offsets differ in length")
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node: 1 for children of the root."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+
+@attrs.define
+class TreeMask:
+    """Attention among the tokens of one verification step of one request.
+
+    The step's tokens are ``[root] + proposal.token_ids + proposal.aux_token_ids``; every
+    one of them sees the request's whole committed context, and ``mask[i, j]`` says whether
+    token ``i`` also sees step token ``j``. ``position_offsets[i]`` is token ``i``'s position
+    minus the root's.
+    """
+
+    mask: torch.Tensor  # bool [T, T]
+    position_offsets: torch.Tensor  # long [T]
+
+
+@attrs.define
+class StepResult:
+    """What one target forward settled for one request; drafters learn from it.
+
+    Attributes:
+        request: the request (its ``token_ids`` already include ``new_token_ids``).
+        new_token_ids: tokens appended this step: accepted draft tokens then the
+            bonus/correction token (for a prefill step: the first generated token; empty
+            when a prompt chunk does not finish the prompt).
+        proposal: the draft that was verified, or ``None`` (prefill, or no draft).
+        accepted_nodes: indices into ``proposal.token_ids`` of the accepted path, root first.
+        hidden_states: layer -> ``[n, hidden]`` target hidden states of the tokens whose KV
+            was committed this step, in order (the prompt chunk, or root + accepted path).
+            Only the layers drafters asked for through ``target_hidden_layers``.
+        aux_logits: target logits ``[len(aux_token_ids), vocab]`` of the aux tokens.
+        is_prefill: the step computed (part of) the prompt.
+    """
+
+    request: Request
+    new_token_ids: list[int]
+    proposal: DraftProposal | None = None
+    accepted_nodes: list[int] = attrs.Factory(list)
+    hidden_states: dict[int, torch.Tensor] = attrs.Factory(dict)
+    aux_logits: torch.Tensor | None = None
+    is_prefill: bool = False
+
+
+class Drafter:
+    """Base class for drafting methods. Subclasses implement hooks with ``@hookimpl``.
+
+    ``Drafter(config, target)``: ``config`` is the method's own config class instance,
+    ``target`` the :class:`~specdec.executor.model_runner.TargetModel` it drafts for.
+    """
+
+    def __init__(self, config: SpeculativeConfig, target: TargetModel):
+        self.config = config
+        self.target = target

@@ -1,0 +1,362 @@
+"""The engine: continuous batching around the speculative step.
+
+One call of :meth:`Engine.step` is one target forward for every scheduled request::
+
+    scheduler.schedule  -> drafter hooks propose (prepare_draft_tokens)
+      -> build_tree_mask  -> one packed target forward over prompt chunks and drafts
+      -> sampler accepts a path and draws the bonus/correction token
+      -> KV cache keeps the accepted path (compacts a tree path), frees the rest
+      -> drafter hooks observe the result (on_draft_verified) -> stop conditions
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+
+import attrs
+import pluggy
+import torch
+
+from ..config import EngineConfig, SpeculativeConfig
+from ..drafting import DraftProposal, StepResult, TreeMask
+from ..errors import RequestError
+from ..kvcache import KVCacheManager, PagedKVCache
+from ..sampler import apply_repetition_penalty, probs_from_logits, verify_greedy, verify_sampled
+from ..sampling_params import SamplingParams
+from .metrics import RequestMetrics
+from .model_runner import ForwardMetadata, TargetModel
+from .request import Request, Status
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class StepOutput:
+    """What one step changed for one request (for streaming)."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+@attrs.define
+class _Item:
+    """One request's share of the packed forward."""
+
+    request: Request
+    tokens: list[int]
+    start: int  # position (and cache index) of the first token
+    positions: torch.Tensor
+    tree_mask: torch.Tensor | None  # [T, T] among the new tokens (None: causal)
+    logits_from: int = 0  # first row of this item in the step's logits
+    num_logits: int = 0
+    row_offset: int = 0  # first row of this item in the packed tokens
+    proposal: DraftProposal | None = None
+    is_prefill: bool = False
+
+
+class Engine:
+    def __init__(self, target: TargetModel, config: EngineConfig, spec: SpeculativeConfig | None = None,
+                 hooks: pluggy.PluginManager | None = None, seed: int = 0):
+        self.target = target
+        self.config = config
+        self.spec = spec
+        self.hooks = hooks.hook if hooks is not None else None
+        self.max_model_len = min(config.max_model_len or target.max_model_len, target.max_model_len)
+        num_blocks = config.kv_cache_blocks or max(
+            1, config.kv_cache_memory_mb * 2**20 // (config.block_size * PagedKVCache.bytes_per_token(
+                target.layer_shapes, target.dtype)))
+        cache = PagedKVCache(target.layer_shapes, num_blocks, config.block_size, target.dtype, target.device)
+        self.kv = KVCacheManager(cache, num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.hidden_layers: list[int] = []
+        if self.hooks is not None:
+            wanted = self.hooks.target_hidden_layers(target=target)
+            self.hidden_layers = sorted({layer for layers in wanted for layer in layers})
+            target.capture_hidden_layers(self.hidden_layers)
+        self.requests: dict[str, Request] = {}
+        self.totals = RequestMetrics()
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(seed)
+
+    # -- requests -------------------------------------------------------------------
+
+    def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Queue a request; a RequestError if it can never be served (the engine is unaffected)."""
+        if not token_ids:
+            raise RequestError("the prompt is empty; give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.target.vocab_size - 1})")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
+                               "(prompt + at least one generated token); shorten the prompt or raise "
+                               "engine.max_model_len up to the model's limit")
+        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        self.kv.check_fits(longest)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
+        generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        req = Request(request_id=request_id, token_ids=list(token_ids), prompt_len=len(token_ids),
+                      sampling_params=params, generator=generator)
+        req.metrics.arrival_time = time.perf_counter()
+        req.metrics.num_prompt_tokens = len(token_ids)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request and free its KV blocks (no-op if it already ended)."""
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.metrics.finish_time = time.perf_counter()
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.totals.merge(req.metrics)
+        if self.hooks is not None:
+            self.hooks.on_request_finished(request=req)
+
+    # -- the step -------------------------------------------------------------------
+
+    def _draft_len(self, req: Request, batch_size: int) -> int:
+        if self.spec is None or req.metrics.num_steps < req.speculation_paused_until:
+            return 0
+        room = min(req.sampling_params.max_tokens - req.num_output_tokens,
+                   self.max_model_len - len(req.token_ids)) - 1
+        return max(0, min(self.spec.draft_len_for_batch(batch_size), room))
+
+    def step(self) -> list[StepOutput]:
+        batch_size = len(self.scheduler.running) + min(len(self.scheduler.waiting), 1)
+        default_len = self.spec.draft_len_for_batch(max(batch_size, 1)) if self.spec else 0
+        plan = self.scheduler.schedule(draft_budget=default_len)
+        if plan.empty:
+            return []
+        items = [self._prefill_item(req, n) for req, n in plan.prefills]
+        items += self._decode_items(plan.decodes, len(self.scheduler.running))
+        logits, hidden = self._forward(items)
+        return self._settle(items, logits, hidden)
+
+    def _prefill_item(self, req: Request, n: int) -> _Item:
+        start = req.num_computed
+        done = start + n == req.prefill_target
+        return _Item(request=req, tokens=req.token_ids[start:start + n], start=start,
+                     positions=torch.arange(start, start + n), tree_mask=None,
+                     num_logits=1 if done and req.num_output_tokens == 0 else 0, is_prefill=True)
+
+    def _decode_items(self, reqs: list[Request], batch_size: int) -> list[_Item]:
+        lens = [self._draft_len(r, batch_size) for r in reqs]
+        proposals: list[DraftProposal | None] = [None] * len(reqs)
+        speculating = [i for i, k in enumerate(lens) if k > 0]
+        if speculating and self.hooks is not None:
+            started = time.perf_counter()
+            try:
+                got = self.hooks.prepare_draft_tokens(requests=[reqs[i] for i in speculating],
+                                                      draft_lens=[lens[i] for i in speculating])
+            except Exception:  # a failing drafter costs speed, never output
+                log.exception("prepare_draft_tokens failed; decoding this step without drafts")
+                got = None
+            spent = (time.perf_counter() - started) / len(speculating)
+            for i, prop in zip(speculating, got or []):
+                reqs[i].metrics.draft_time += spent
+                proposals[i] = self._fit_proposal(reqs[i], prop, lens[i])
+        items = []
+        for req, prop in zip(reqs, proposals):
+            root = req.num_computed
+            if prop is None:
+                items.append(_Item(request=req, tokens=[req.token_ids[-1]], start=root,
+                                   positions=torch.tensor([root]), tree_mask=None, num_logits=1))
+                continue
+            mask: TreeMask = self.hooks.build_tree_mask(request=req, proposal=prop)
+            tokens = [req.token_ids[-1], *prop.token_ids, *prop.aux_token_ids]
+            items.append(_Item(request=req, tokens=tokens, start=root, positions=root + mask.position_offsets,
+                               tree_mask=mask.mask, num_logits=len(tokens), proposal=prop))
+        return items
+
+    def _fit_proposal(self, req: Request, prop: DraftProposal | None, max_len: int) -> DraftProposal | None:
+        """Trim a proposal to the allowed depth and to the KV room there is; None if empty."""
+        if prop is None or not prop.token_ids:
+            return None
+        if prop.is_chain and len(prop.token_ids) > max_len:
+            prop = attrs.evolve(prop, token_ids=prop.token_ids[:max_len], parents=None,
+                                draft_probs=None if prop.draft_probs is None else prop.draft_probs[:max_len])
+        elif max(prop.depths()) > max_len:
+            log.warning("drafter proposed a tree of depth %d > draft length %d; dropped", max(prop.depths()), max_len)
+            return None
+        extra = len(prop.token_ids) + len(prop.aux_token_ids)
+        if not self.kv.can_reserve(req, 1 + extra):
+            return None  # no KV room for drafts now: decode one token
+        self.kv.reserve(req, 1 + extra)
+        return prop
+
+    def _forward(self, items: list[_Item]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        device = self.target.device
+        tokens, positions, slots, context, rows, key_pos = [], [], [], [], [], []
+        row = 0
+        for it in items:
+            n = len(it.tokens)
+            it.row_offset = row
+            tokens.extend(it.tokens)
+            positions.append(it.positions)
+            slots.extend(self.kv.slots(it.request, it.start, n))
+            context.extend(self.kv.slots(it.request, 0, it.start + n))
+            key_pos.append(torch.arange(it.start + n))
+            it.logits_from = len(rows)
+            rows.extend(range(row + n - it.num_logits, row + n))
+            row += n
+        mask = self._packed_mask(items)
+        pos = torch.cat(positions).to(device)
+        meta = ForwardMetadata(cache=self.kv.cache, slot_mapping=torch.tensor(slots, device=device),
+                               context_slots=torch.tensor(context, device=device), mask=mask,
+                               query_positions=pos, key_positions=torch.cat(key_pos).to(device))
+        return self.target.forward(torch.tensor(tokens, device=device), pos, meta,
+                                   torch.tensor(rows, device=device, dtype=torch.long))
+
+    def _packed_mask(self, items: list[_Item]) -> torch.Tensor | None:
+        """``[T, S]``: each item's queries see its context, causally or through its tree mask."""
+        if len(items) == 1 and len(items[0].tokens) == 1:
+            return None
+        total_q = sum(len(it.tokens) for it in items)
+        total_k = sum(it.start + len(it.tokens) for it in items)
+        mask = torch.zeros(total_q, total_k, dtype=torch.bool)
+        q0 = k0 = 0
+        for it in items:
+            n = len(it.tokens)
+            mask[q0:q0 + n, k0:k0 + it.start] = True
+            new = mask[q0:q0 + n, k0 + it.start:k0 + it.start + n]
+            new.copy_(it.tree_mask if it.tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril_())
+            q0 += n
+            k0 += it.start + n
+        return mask.to(self.target.device)
+
+    def _settle(self, items: list[_Item], logits: torch.Tensor, hidden: dict[int, torch.Tensor]) -> list[StepOutput]:
+        greedy_rows = logits.argmax(-1).tolist()
+        results: list[StepResult] = []
+        moves_src, moves_dst = [], []
+        for it in items:
+            req = it.request
+            if it.is_prefill:
+                self.kv.commit(req, it.start + len(it.tokens))
+                new = self._sample_first(req, it, logits, greedy_rows) if it.num_logits else []
+                results.append(StepResult(request=req, new_token_ids=new, is_prefill=True,
+                                          hidden_states=self._rows(hidden, it.row_offset, range(len(it.tokens)))))
+                continue
+            verdict = self._verify(req, it, logits, greedy_rows)
+            root = it.start
+            for k, node in enumerate(verdict.accepted_nodes, start=1):
+                moves_src.extend(self.kv.slots(req, root + 1 + node, 1))
+                moves_dst.extend(self.kv.slots(req, root + k, 1))
+            kept_rows = [0, *(1 + n for n in verdict.accepted_nodes)]
+            aux = None
+            if it.proposal is not None and it.proposal.aux_token_ids:
+                first_aux = it.logits_from + 1 + len(it.proposal.token_ids)
+                aux = logits[first_aux:first_aux + len(it.proposal.aux_token_ids)]
+            results.append(StepResult(request=req, new_token_ids=verdict.tokens, proposal=it.proposal,
+                                      accepted_nodes=verdict.accepted_nodes, aux_logits=aux,
+                                      hidden_states=self._rows(hidden, it.row_offset, kept_rows)))
+        if moves_src:
+            self.kv.move(moves_src, moves_dst, self.target.device)
+        outputs = []
+        for res in results:
+            req = res.request
+            out = self._append(req, res.new_token_ids)
+            if not res.is_prefill:
+                accepted = len(res.accepted_nodes)
+                self.kv.commit(req, req.num_computed + 1 + accepted)
+                self._record(req, res.proposal, accepted, len(out.new_token_ids))
+            outputs.append(out)
+        if self.hooks is not None:
+            self.hooks.on_draft_verified(results=results)
+        for out in outputs:
+            if out.finished:
+                self._finish(out.request, out.request.finish_reason)
+        return outputs
+
+    @staticmethod
+    def _rows(hidden: dict[int, torch.Tensor], offset: int, rows: Iterable[int]) -> dict[int, torch.Tensor]:
+        if not hidden:
+            return {}
+        index = torch.tensor([offset + r for r in rows], device=next(iter(hidden.values())).device)
+        return {layer: h.index_select(0, index) for layer, h in hidden.items()}
+
+    def _probs(self, req: Request, logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
+        params = req.sampling_params
+        return probs_from_logits(apply_repetition_penalty(logits, histories, params.repetition_penalty), params)
+
+    def _plain_greedy(self, params: SamplingParams) -> bool:
+        return params.greedy and params.repetition_penalty == 1.0
+
+    def _sample_first(self, req: Request, it: _Item, logits: torch.Tensor, greedy_rows: list[int]) -> list[int]:
+        params = req.sampling_params
+        if self._plain_greedy(params):
+            return [greedy_rows[it.logits_from]]
+        probs = self._probs(req, logits[it.logits_from:it.logits_from + 1], [req.token_ids])
+        return verify_sampled(probs, None, req.generator).tokens
+
+    def _verify(self, req: Request, it: _Item, logits: torch.Tensor, greedy_rows: list[int]):
+        params, prop = req.sampling_params, it.proposal
+        n = 1 + (len(prop.token_ids) if prop is not None else 0)
+        if self._plain_greedy(params):
+            return verify_greedy(greedy_rows[it.logits_from:it.logits_from + n], prop)
+        histories = [req.token_ids]
+        if prop is not None:
+            paths: list[list[int]] = []
+            for tok, parent in zip(prop.token_ids, prop.parents):
+                paths.append((paths[parent] if parent >= 0 else []) + [tok])
+            histories += [req.token_ids + p for p in paths]
+        probs = self._probs(req, logits[it.logits_from:it.logits_from + n], histories)
+        if params.greedy:
+            return verify_greedy(probs.argmax(-1).tolist(), prop)
+        return verify_sampled(probs, prop, req.generator)
+
+    def _record(self, req: Request, prop: DraftProposal | None, accepted: int, emitted: int) -> None:
+        depth = max(prop.depths()) if prop is not None else 0
+        req.metrics.record_step(depth, len(prop.token_ids) if prop is not None else 0, accepted, emitted)
+        if prop is None or self.spec is None or self.spec.min_acceptance_rate <= 0:
+            return
+        req.recent_acceptance.append(accepted / depth)
+        window = self.spec.acceptance_window
+        if len(req.recent_acceptance) >= window:
+            recent = list(req.recent_acceptance)[-window:]
+            if sum(recent) / window < self.spec.min_acceptance_rate:
+                req.speculation_paused_until = req.metrics.num_steps + self.spec.retry_after
+                req.recent_acceptance.clear()
+
+    def _append(self, req: Request, new: list[int]) -> StepOutput:
+        """Append accepted tokens one by one, stopping at EOS, stop ids, max_tokens or the context end."""
+        params = req.sampling_params
+        appended: list[int] = []
+        for tok in new:
+            req.token_ids.append(tok)
+            appended.append(tok)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = time.perf_counter()
+            if (tok in self.target.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids:
+                req.finish_reason = "stop"
+            elif req.num_output_tokens >= params.max_tokens or len(req.token_ids) >= self.max_model_len:
+                req.finish_reason = "length"
+            if req.finish_reason is not None:
+                break
+        if params.stop and self.target.tokenizer is not None:
+            self._check_stop_strings(req)
+        return StepOutput(request=req, new_token_ids=appended, finished=req.finish_reason is not None)
+
+    def _check_stop_strings(self, req: Request) -> None:
+        text = self.target.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in req.sampling_params.stop) if i >= 0]
+        if hits:
+            req.stop_text = text[:min(hits)]
+            req.finish_reason = "stop"

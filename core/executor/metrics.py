@@ -1,0 +1,78 @@
+"""Speculative-decoding metrics, per request and aggregated (names as in DESIGN.md)."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define
+class RequestMetrics:
+    """Counters of one request.
+
+    ``num_steps`` counts target forwards while decoding (after the prompt);
+    ``acceptance_length`` is the mean number of tokens each such step emitted, the
+    bonus token included; ``per_position_acceptance[k]`` is the rate at which draft
+    position ``k + 1`` was accepted when it was proposed.
+    """
+
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    drafted_at: list[int] = attrs.Factory(list)
+    accepted_at: list[int] = attrs.Factory(list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    draft_time: float = 0.0
+
+    def record_step(self, depth_proposed: int, num_draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self.num_decode_tokens += num_emitted
+        while len(self.drafted_at) < depth_proposed:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for k in range(depth_proposed):
+            self.drafted_at[k] += 1
+            if k < num_accepted:
+                self.accepted_at[k] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.num_decode_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        if self.finish_time is None or self.first_token_time is None or self.finish_time <= self.first_token_time:
+            return 0.0
+        return self.num_decode_tokens / (self.finish_time - self.first_token_time)
+
+    def merge(self, other: RequestMetrics) -> None:
+        for name in ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_decode_tokens",
+                     "num_prompt_tokens", "num_cached_prompt_tokens", "draft_time"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for k in range(len(other.drafted_at)):
+            if k >= len(self.drafted_at):
+                self.drafted_at.append(0)
+                self.accepted_at.append(0)
+            self.drafted_at[k] += other.drafted_at[k]
+            self.accepted_at[k] += other.accepted_at[k]
+
+    def as_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_length": self.acceptance_length,
+                "per_position_acceptance": self.per_position_acceptance,
+                "num_prompt_tokens": self.num_prompt_tokens, "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
+                "time_to_first_token": self.time_to_first_token}

@@ -1,0 +1,168 @@
+"""The target model: unmodified transformers code over specdec's paged KV cache.
+
+specdec registers its own attention implementation with transformers' AttentionInterface
+(and a mask function that builds nothing). The model is called with explicit position ids,
+``use_cache=False`` and a :class:`ForwardMetadata` riding along as the ``specdec`` keyword,
+which transformers hands to every attention call: the attention writes the new tokens' K/V
+into their slots and attends over each sequence's context through its slots, with the mask
+the step built (causal for prompts, tree-shaped for drafts, block-diagonal across requests).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..kernels import paged_attention
+from ..kvcache import PagedKVCache
+
+ATTENTION_NAME = "specdec_paged"
+
+
+@attrs.define
+class ForwardMetadata:
+    """Everything the attention layers need for one packed forward.
+
+    ``mask`` is ``[T, S]`` (None: no masking needed); ``query_positions`` and
+    ``key_positions`` let sliding-window layers narrow it.
+    """
+
+    cache: PagedKVCache | None
+    slot_mapping: torch.Tensor | None = None
+    context_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
+    probe: list | None = None
+    _window_masks: dict = attrs.Factory(dict)
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
+        if not sliding_window:
+            return self.mask
+        if sliding_window not in self._window_masks:
+            near = (self.query_positions[:, None] - self.key_positions[None, :]) < sliding_window
+            self._window_masks[sliding_window] = near if self.mask is None else near & self.mask
+        return self._window_masks[sliding_window]
+
+
+def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                             specdec: ForwardMetadata | None = None, sliding_window=None, softcap=None,
+                             **kwargs):
+    if specdec is None:
+        raise RuntimeError("the specdec attention runs only inside a specdec engine step")
+    layer = module.layer_idx
+    k_new = key[0].transpose(0, 1)  # [T, kv_heads, dim]
+    v_new = value[0].transpose(0, 1)
+    if specdec.probe is not None:
+        specdec.probe.append((layer, k_new.shape[1], k_new.shape[2], v_new.shape[2]))
+        return query.new_zeros(1, query.shape[2], query.shape[1], v_new.shape[2]), None
+    keys, values = specdec.cache.keys[layer], specdec.cache.values[layer]
+    keys.index_copy_(0, specdec.slot_mapping, k_new.to(keys.dtype))
+    values.index_copy_(0, specdec.slot_mapping, v_new.to(values.dtype))
+    out = paged_attention(query[0], keys, values, specdec.context_slots, specdec.mask_for(sliding_window),
+                          scaling if scaling is not None else query.shape[-1] ** -0.5, softcap)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+AttentionInterface.register(ATTENTION_NAME, _paged_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+def _decoder_parts(model) -> tuple[torch.nn.ModuleList, torch.nn.Module | None]:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__}: cannot find its decoder layers (model.model.layers)")
+    return layers, getattr(base, "norm", None)
+
+
+class TargetModel:
+    """A causal LM ready for paged, packed, tree-masked forwards.
+
+    Attributes a drafter may use: ``model`` (the transformers module), ``tokenizer``
+    (or None), ``hf_config``, ``num_layers``, ``vocab_size``, ``hidden_size``, ``device``,
+    ``dtype``, ``eos_token_ids``, ``max_model_len``, ``name``.
+    """
+
+    def __init__(self, model, tokenizer, name: str, max_model_len: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.hf_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = self.hf_config.num_hidden_layers
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.hidden_size = self.hf_config.hidden_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_model_len = max_model_len or getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        self.eos_token_ids = self._eos_ids()
+        model.set_attn_implementation(ATTENTION_NAME)
+        self._layers, self._norm = _decoder_parts(model)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooked: set[int] = set()
+        self.layer_shapes = self._probe_kv_shapes()
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.hf_config, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None)):
+            if src is None:
+                continue
+            ids.update(src if isinstance(src, (list, tuple)) else [src])
+        return ids
+
+    def _probe_kv_shapes(self) -> list[tuple[int, int, int]]:
+        """Run one token through the model to read each layer's K/V head count and sizes."""
+        probe: list = []
+        with torch.inference_mode():
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                       position_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                       use_cache=False, logits_to_keep=1, specdec=ForwardMetadata(cache=None, probe=probe))
+        probe.sort()
+        if [p[0] for p in probe] != list(range(len(probe))):
+            raise TypeError(f"{type(self.model).__name__}: attention layers report indices "
+                            f"{[p[0] for p in probe]}; expected 0..{len(probe) - 1}")
+        return [p[1:] for p in probe]
+
+    def capture_hidden_layers(self, layers: list[int]) -> None:
+        """Keep the hidden states of these layers (``-1``: final norm output) at every forward."""
+        for layer in layers:
+            if layer in self._hooked:
+                continue
+            if layer == -1:
+                module = self._norm
+                if module is None:
+                    raise TypeError(f"{type(self.model).__name__} has no final norm module to capture")
+            elif 0 <= layer < self.num_layers:
+                module = self._layers[layer]
+            else:
+                raise ValueError(f"hidden layer {layer} asked for; the target has layers 0..{self.num_layers - 1} "
+                                 "(or -1 for the final normalised state)")
+            module.register_forward_hook(self._make_hook(layer))
+            self._hooked.add(layer)
+
+    def _make_hook(self, layer: int):
+        def hook(_module, _inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            self._captured[layer] = out[0]
+
+        return hook
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
+                logits_rows: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One packed forward. Returns float32 logits of ``logits_rows`` and captured hidden states.
+
+        ``input_ids`` and ``positions`` are ``[T]``; every token's K/V lands in its slot.
+        """
+        self._captured = {}
+        out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
+                         logits_to_keep=logits_rows, specdec=meta)
+        return out.logits[0].float(), self._captured

@@ -1,0 +1,98 @@
+"""Continuous batching: which requests run in the next step, and with how many tokens.
+
+Running requests that decode come first; each needs one KV slot for its root token (draft
+slots are reserved later, when the drafts exist, and a draft without room is dropped).
+When even that slot cannot be had, the most recently admitted request is preempted: its
+blocks are freed and it goes back to the front of the queue, to be recomputed later.
+The rest of the token budget goes to prompt chunks (chunked prefill), of running requests
+first, then of waiting ones admitted in arrival order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from ..config import EngineConfig
+from ..kvcache import KVCacheManager
+from .request import Request, Status
+
+
+@attrs.define
+class Plan:
+    prefills: list[tuple[Request, int]] = attrs.Factory(list)  # (request, prompt tokens to compute)
+    decodes: list[Request] = attrs.Factory(list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.block_table:
+            self.kv.free(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = Status.WAITING
+        self.waiting.appendleft(victim)
+
+    def schedule(self, draft_budget: int) -> Plan:
+        """Plan one step. ``draft_budget``: tokens a decoding request may add for drafts."""
+        plan = Plan()
+        budget = self.config.max_num_tokens
+        for req in list(self.running):
+            if req not in self.running or req.is_prefilling:
+                continue
+            while not self.kv.can_reserve(req, 1):
+                self._preempt(self.running[-1])
+                if req not in self.running:
+                    break
+            if req in self.running:
+                self.kv.reserve(req, 1)
+                plan.decodes.append(req)
+                budget -= 1 + draft_budget
+        for req in self.running:
+            if req.is_prefilling and budget > 0:
+                budget -= self._plan_chunk(req, budget, plan)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
+            req = self.waiting[0]
+            if not req.block_table:
+                req.metrics.num_cached_prompt_tokens += self.kv.attach_prefix(req)
+            chunk = self._plan_chunk(req, budget, plan)
+            if chunk == 0:
+                break  # no room yet: it stays first in line
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            budget -= chunk
+        return plan
+
+    def _plan_chunk(self, req: Request, budget: int, plan: Plan) -> int:
+        n = min(budget, req.prefill_target - req.num_computed)
+        while n > 0 and not self.kv.can_reserve(req, n):
+            n //= 2
+        if n > 0:
+            self.kv.reserve(req, n)
+            plan.prefills.append((req, n))
+        return n

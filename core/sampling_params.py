@@ -1,0 +1,58 @@
+"""Per-request sampling parameters (the names vLLM and the OpenAI API use)."""
+
+from __future__ import annotations
+
+import attrs
+
+
+def _check_range(lo, hi, lo_open=False):
+    def check(inst, attribute, value):
+        if value is None:
+            return
+        bad = value <= lo if lo_open else value < lo
+        if bad or (hi is not None and value > hi):
+            left = "(" if lo_open else "["
+            right = f"{hi}]" if hi is not None else "inf)"
+            raise ValueError(f"{attribute.name} must be in {left}{lo}, {right}, got {value!r}")
+    return check
+
+
+def _tuple_of_str(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Attributes:
+        max_tokens: the most tokens to generate.
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_k: keep the k most likely tokens (0: all).
+        top_p: keep the smallest set of tokens whose probability reaches top_p.
+        min_p: drop tokens whose probability is below min_p times the top probability.
+        repetition_penalty: >1 discourages tokens already in prompt or output (CTRL-style).
+        seed: per-request seed; the same seed reproduces the same output.
+        stop: strings that end generation (not included in the text).
+        stop_token_ids: extra token ids that end generation.
+        ignore_eos: keep generating past the end-of-sequence token.
+    """
+
+    max_tokens: int = attrs.field(default=64, validator=_check_range(1, None))
+    temperature: float = attrs.field(default=1.0, validator=_check_range(0.0, None))
+    top_k: int = attrs.field(default=0, validator=_check_range(0, None))
+    top_p: float = attrs.field(default=1.0, validator=_check_range(0.0, 1.0, lo_open=True))
+    min_p: float = attrs.field(default=0.0, validator=_check_range(0.0, 1.0))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_check_range(0.0, None, lo_open=True))
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,47 @@
+"""``decoding_type: user``: a drafter class from the user's own code, named by dotted path.
+
+    speculative_config: {decoding_type: user, drafter: "my_pkg.drafts:MyDrafter", options: {k: 3}}
+
+The class is built as ``MyDrafter(config, target)`` and implements the hooks of
+:mod:`specdec.hookspecs` like any plugin's drafter; ``config.options`` holds its options.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import attrs
+
+from .config import SpeculativeConfig
+from .errors import PluginError
+from .hookspecs import hookimpl
+from .plugins import DecodingType
+
+
+@attrs.frozen(kw_only=True)
+class UserDrafterConfig(SpeculativeConfig):
+    """Attributes: drafter: ``"package.module:Class"``; options: free-form options for it."""
+
+    drafter: str = attrs.field()
+    options: dict[str, Any] = attrs.Factory(dict)
+
+    @drafter.validator
+    def _check(self, attribute, value):
+        if ":" not in value:
+            raise ValueError(f"expected 'package.module:Class', got {value!r}")
+
+
+def load_user_drafter(config: UserDrafterConfig, target):
+    module_name, _, attr = config.drafter.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise PluginError(f"speculative_config.drafter: cannot import {config.drafter!r}: {exc}") from None
+    return cls(config, target)
+
+
+@hookimpl
+def register_decoding_types(register):
+    register(DecodingType(name="user", config_class=UserDrafterConfig, drafter_class=load_user_drafter,
+                          description="a drafter class from your own code (drafter: 'pkg.module:Class')"))
