@@ -83,10 +83,10 @@ class LLM:
         model_obj = load_causal_lm(path, self.dtype, self.device)
         self.target = TargetModel(model_obj, self.tokenizer, model_display_name(config.model, path),
                                   max_model_len=config.engine.max_model_len)
-        hooks = None
+        hooks = self.drafter = None
         if spec is not None:
-            drafter = registry.create_drafter(spec, self.target)
-            hooks = drafter_plugin_manager(drafter, spec.decoding_type)
+            self.drafter = registry.create_drafter(spec, self.target)
+            hooks = drafter_plugin_manager(self.drafter, spec.decoding_type)
         self.engine = Engine(self.target, config.engine, spec, hooks, seed=seed)
 
     @classmethod

@@ -18,7 +18,7 @@ import cattrs
 import yaml
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
-from .errors import ConfigError
+from .errors import ConfigError, FieldError
 from .sampling_params import SamplingParams
 
 
@@ -31,7 +31,7 @@ def in_range(lo: float | None = None, hi: float | None = None):
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             bounds = f"between {lo} and {hi}" if lo is not None and hi is not None else (
                 f">= {lo}" if lo is not None else f"<= {hi}")
-            raise ValueError(f"must be {bounds}, got {value!r}")
+            raise FieldError(attribute.name, f"must be {bounds}, got {value!r}")
 
     return check
 
@@ -41,7 +41,7 @@ def one_of(*choices: str):
 
     def check(inst, attribute, value):
         if value not in choices:
-            raise ValueError(f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
+            raise FieldError(attribute.name, f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
                              + _suggest(str(value), choices))
 
     return check
@@ -79,9 +79,9 @@ class SpeculativeConfig:
             return
         for batch, length in value.items():
             if batch < 1:
-                raise ValueError(f"batch size keys must be >= 1, got {batch}")
+                raise FieldError(attribute.name, f"batch size keys must be >= 1, got {batch}")
             if not 0 <= length <= 64:
-                raise ValueError(f"draft lengths must be between 0 and 64, got {length} for batch size {batch}")
+                raise FieldError(attribute.name, f"draft lengths must be between 0 and 64, got {length} for batch size {batch}")
 
     def draft_len_for_batch(self, batch_size: int) -> int:
         if not self.draft_len_schedule:
@@ -166,13 +166,17 @@ def _str_or_strings(value, _type):
 
 
 def _make_converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True,
+                            unstruct_collection_overrides={tuple: list})
     conv.register_structure_hook(int, _strict_int)
     conv.register_structure_hook(float, _strict_float)
     conv.register_structure_hook(bool, _strict_bool)
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook_func(lambda t: t == tuple[str, ...], _str_or_strings)
-    conv.register_structure_hook(SpeculativeConfig, _structure_speculative)
+    conv.register_structure_hook_func(lambda t: t is SpeculativeConfig, _structure_speculative)
+    # A plugin's config unstructures with all its own fields, not just the base class's.
+    conv.register_unstructure_hook_func(lambda t: t is SpeculativeConfig,
+                                        lambda obj: conv.unstructure(obj, unstructure_as=type(obj)))
     return conv
 
 
@@ -223,6 +227,9 @@ def _walk(exc: BaseException, path: str):
                     sub_path = f"{path}.{name}" if path else str(name)
                     break
             yield from _walk(sub, sub_path)
+        return
+    if isinstance(exc, FieldError):
+        yield f"{path}.{exc.field}" if path else exc.field, exc.message
         return
     if isinstance(exc, ConfigError):
         yield "", str(exc)

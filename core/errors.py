@@ -9,6 +9,15 @@ class ConfigError(SpecdecError, ValueError):
     """A configuration value is wrong; the message starts with the path of the field."""
 
 
+class FieldError(ConfigError):
+    """One field's value is out of range or not allowed; ``field`` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
 class PluginError(SpecdecError):
     """A decoding type is unknown, its plugin is missing, broken or not implemented yet."""
 

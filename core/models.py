@@ -111,6 +111,9 @@ def load_tokenizer(path: Path):
 
 def load_causal_lm(path: Path, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import attrs
 
+from .errors import FieldError
+
 
 def _check_range(lo, hi, lo_open=False):
     def check(inst, attribute, value):
@@ -13,7 +15,7 @@ def _check_range(lo, hi, lo_open=False):
         if bad or (hi is not None and value > hi):
             left = "(" if lo_open else "["
             right = f"{hi}]" if hi is not None else "inf)"
-            raise ValueError(f"{attribute.name} must be in {left}{lo}, {right}, got {value!r}")
+            raise FieldError(attribute.name, f"must be in {left}{lo}, {right}, got {value!r}")
     return check
 
 

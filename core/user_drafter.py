@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from .config import SpeculativeConfig
-from .errors import PluginError
+from .errors import FieldError, PluginError
 from .hookspecs import hookimpl
 from .plugins import DecodingType
 
@@ -29,7 +29,7 @@ class UserDrafterConfig(SpeculativeConfig):
     @drafter.validator
     def _check(self, attribute, value):
         if ":" not in value:
-            raise ValueError(f"expected 'package.module:Class', got {value!r}")
+            raise FieldError(attribute.name, f"expected 'package.module:Class', got {value!r}")
 
 
 def load_user_drafter(config: UserDrafterConfig, target):

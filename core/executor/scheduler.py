@@ -58,7 +58,18 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def schedule(self, draft_budget: int) -> Plan:
-        """Plan one step. ``draft_budget``: tokens a decoding request may add for drafts."""
+        """Plan one step. ``draft_budget``: tokens a decoding request may add for drafts.
+
+        A step with work left is never empty: if nothing fits, running requests are
+        preempted (newest first) until something does.
+        """
+        plan = self._plan(draft_budget)
+        while plan.empty and self.running:
+            self._preempt(self.running[-1])
+            plan = self._plan(draft_budget)
+        return plan
+
+    def _plan(self, draft_budget: int) -> Plan:
         plan = Plan()
         budget = self.config.max_num_tokens
         for req in list(self.running):
@@ -78,10 +89,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             req = self.waiting[0]
             if not req.block_table:
-                req.metrics.num_cached_prompt_tokens += self.kv.attach_prefix(req)
+                reused = self.kv.attach_prefix(req)
+                if req.num_output_tokens == 0:
+                    req.metrics.num_cached_prompt_tokens = reused
             chunk = self._plan_chunk(req, budget, plan)
             if chunk == 0:
-                break  # no room yet: it stays first in line
+                self.kv.free(req)  # no room yet: it stays first in line, pinning no blocks
+                break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)

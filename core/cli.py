@@ -1,0 +1,212 @@
+"""The ``specdec`` command line: plugins, config check, generate, chat."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+import yaml
+
+from .config import SpecdecConfig, config_from_dict, load_config, merge_overrides, unstructure
+from .errors import SpecdecError
+from .plugins import get_registry
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine (override the config file)")
+    g.add_argument("--config", "-c", help="YAML config file")
+    g.add_argument("--model", "-m", help="model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--decoding-type", "-d", help="speculative method (see `specdec plugins`)")
+    g.add_argument("--max-draft-len", "-k", type=int)
+    g.add_argument("--max-batch-size", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                   help="any config field, e.g. --set speculative_config.max_matching_ngram_size=4")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", "-n", type=int)
+    s.add_argument("--temperature", "-t", type=float)
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--seed", type=int)
+    p.add_argument("--stats", action="store_true", help="print tokens/s and acceptance statistics")
+
+
+def _resolve_config(args) -> SpecdecConfig:
+    cfg = load_config(args.config) if args.config else config_from_dict({})
+    overrides = {
+        "model": args.model, "dtype": args.dtype, "device": args.device,
+        "engine.max_batch_size": args.max_batch_size, "engine.max_model_len": args.max_model_len,
+        "engine.num_threads": args.threads,
+        "sampling.max_tokens": args.max_tokens, "sampling.temperature": args.temperature,
+        "sampling.top_k": args.top_k, "sampling.top_p": args.top_p, "sampling.seed": args.seed,
+    }
+    if args.decoding_type:
+        overrides["speculative_config.decoding_type"] = args.decoding_type
+    if args.max_draft_len is not None:
+        if args.decoding_type is None and cfg.speculative_config is None:
+            raise SpecdecError("--max-draft-len needs a decoding type: add --decoding-type (see `specdec plugins`)")
+        overrides["speculative_config.max_draft_len"] = args.max_draft_len
+    for item in args.set:
+        path, sep, value = item.partition("=")
+        if not sep:
+            raise SpecdecError(f"--set {item!r}: expected PATH=VALUE")
+        overrides[path.strip()] = yaml.safe_load(value)
+    return merge_overrides(cfg, overrides)
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompt:
+        return args.prompt
+    if sys.stdin.isatty():
+        raise SpecdecError("give a prompt as an argument or on standard input")
+    text = sys.stdin.read()
+    return [text] if text.strip() else []
+
+
+def _print_stats(outputs, elapsed: float, file=sys.stderr) -> None:
+    from .executor.metrics import RequestMetrics
+
+    total = RequestMetrics()
+    tokens = 0
+    for out in outputs:
+        total.merge(out.metrics)
+        tokens += len(out.token_ids)
+    per_pos = ", ".join(f"{x:.2f}" for x in total.per_position_acceptance) or "-"
+    print(f"\n[specdec] {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tok/s; "
+          f"target steps {total.num_steps}, acceptance length {total.acceptance_length:.2f}, "
+          f"draft tokens {total.num_draft_tokens}, accepted {total.num_accepted_tokens}, "
+          f"per-position acceptance [{per_pos}]", file=file)
+
+
+def cmd_plugins(args) -> int:
+    registry = get_registry()
+    rows = registry.plugins_table()
+    if args.json:
+        print(json.dumps({"decoding_types": rows,
+                          "failed": [{"plugin": f.plugin, "distribution": f.distribution, "error": f.error}
+                                     for f in registry.failures]}, indent=2))
+        return 0
+    print(f"{'decoding_type':<14} {'aliases':<22} {'distribution':<30} {'version':<8} status")
+    for r in rows:
+        status = "ready" if r["implemented"] else "not implemented yet"
+        if not r["lossless"]:
+            status += " (lossy)"
+        print(f"{r['name']:<14} {', '.join(r['aliases']):<22} {r['distribution']:<30} {r['version']:<8} {status}")
+    for f in registry.failures:
+        print(f"FAILED  {f.plugin} ({f.distribution}): {f.error}")
+    return 0
+
+
+def cmd_config_check(args) -> int:
+    cfg = load_config(args.file)
+    data = unstructure(cfg)
+    if cfg.speculative_config is not None:
+        entry = get_registry().resolve(cfg.speculative_config.decoding_type)
+        print(f"# decoding_type {entry.name} from {entry.distribution} {entry.version}")
+    print(yaml.safe_dump(data, sort_keys=False), end="")
+    return 0
+
+
+def _build_llm(cfg: SpecdecConfig):
+    from .api import LLM
+
+    return LLM(config=cfg)
+
+
+def cmd_generate(args) -> int:
+    cfg = _resolve_config(args)
+    prompts = _read_prompts(args)
+    llm = _build_llm(cfg)
+    outputs = []
+    started = time.perf_counter()
+    for prompt in prompts:
+        for piece in llm.stream(prompt, cfg.sampling):
+            print(piece, end="", flush=True)
+        print()
+        outputs.append(llm.last_output)
+    if args.stats:
+        _print_stats(outputs, time.perf_counter() - started)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    cfg = _resolve_config(args)
+    llm = _build_llm(cfg)
+    interactive = not args.prompt and sys.stdin.isatty()
+    messages: list[dict] = []
+    outputs = []
+    started = time.perf_counter()
+    pending = _read_prompts(args) if not interactive else []
+    while True:
+        if interactive:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                continue
+        elif pending:
+            line = pending.pop(0)
+        else:
+            break
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for piece in llm.stream(llm.apply_chat_template(messages), cfg.sampling):
+            reply += piece
+            print(piece, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+        outputs.append(llm.last_output)
+    if args.stats:
+        _print_stats(outputs, time.perf_counter() - started)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
+    parser.add_argument("--verbose", "-v", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list installed decoding types")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    c = csub.add_parser("check", help="validate a YAML config and print it resolved")
+    c.add_argument("file")
+    c.set_defaults(func=cmd_config_check)
+
+    p = sub.add_parser("generate", help="complete prompts (arguments, or standard input)")
+    p.add_argument("prompt", nargs="*")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with the model (messages as arguments, stdin, or interactive)")
+    p.add_argument("prompt", nargs="*")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except SpecdecError as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Conformance kit for drafting plugins, and tiny random models of real architectures.
+
+A third-party plugin runs these in its own tests::
+
+    from specdec import testing
+
+    def test_conformance(tmp_path):
+        testing.check_registration("bigram", distribution="specdec-example-drafter")
+        testing.check_config_round_trip({"decoding_type": "bigram", "max_draft_len": 3})
+        testing.check_greedy_lossless({"decoding_type": "bigram", "max_draft_len": 3},
+                                      model=testing.tiny_model_dir(tmp_path))
+
+Every check raises AssertionError with a message saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+from . import hookspecs
+from .config import SpeculativeConfig, structure, unstructure
+from .plugins import DecodingType, get_registry, hook_names
+from .sampling_params import SamplingParams
+
+#: Tiny configurations of the architectures the executor supports (random weights).
+TINY_ARCHITECTURES = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2),
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=1, sliding_window=8),
+    "gemma2": dict(model_type="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                   query_pre_attn_scalar=16),
+    "gemma3_text": dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                        query_pre_attn_scalar=16),
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                        n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+}
+
+
+def tiny_model_dir(directory: str | Path, arch: str = "llama", vocab_size: int = 128, seed: int = 0,
+                   max_position_embeddings: int = 512) -> Path:
+    """Save a randomly initialised tiny causal LM of a real architecture; return its directory.
+
+    The weights are scaled up so greedy decoding does not collapse to one repeated token.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(directory) / f"tiny-{arch}-{seed}"
+    if (directory / "config.json").exists():
+        return directory
+    options = dict(TINY_ARCHITECTURES[arch])
+    config = AutoConfig.for_model(options.pop("model_type"), vocab_size=vocab_size,
+                                  max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
+                                  **options)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    return directory
+
+
+def check_registration(name: str, distribution: str | None = None) -> DecodingType:
+    """The decoding type is found through its entry point, with a sound config and documented hooks."""
+    registry = get_registry()
+    failures = [f for f in registry.failures if distribution is None or f.distribution == distribution]
+    assert not failures, f"plugins failed to load: {failures}"
+    assert name in registry.types, f"decoding type {name!r} not registered; installed: {registry.names()}"
+    dtype = registry.types[name]
+    if distribution is not None:
+        assert dtype.distribution == distribution, \
+            f"{name!r} comes from {dtype.distribution!r}, expected {distribution!r}"
+    assert issubclass(dtype.config_class, SpeculativeConfig), "config_class must subclass SpeculativeConfig"
+    if dtype.drafter_class is not None:
+        marker = f"{hookspecs.PROJECT_NAME}_impl"
+        known = set(hook_names())
+        for attr in dir(dtype.drafter_class):
+            fn = getattr(dtype.drafter_class, attr, None)
+            if getattr(fn, marker, None) is not None:
+                assert attr in known, f"{dtype.drafter_class.__name__}.{attr} is marked @hookimpl but no hook has that name"
+                spec_args = set(inspect.signature(getattr(hookspecs, attr)).parameters)
+                impl_args = set(inspect.signature(fn).parameters) - {"self"}
+                assert impl_args <= spec_args, f"{attr} takes {impl_args - spec_args}, which the hook does not pass"
+        assert "prepare_draft_tokens" in dtype.hooks_implemented(), \
+            f"{dtype.drafter_class.__name__} does not implement prepare_draft_tokens"
+    return dtype
+
+
+def check_config_round_trip(options: dict) -> SpeculativeConfig:
+    """``options`` build the method's config, which unstructures back to the same config."""
+    config = structure(options, SpeculativeConfig, "speculative_config")
+    again = structure(unstructure(config), SpeculativeConfig, "speculative_config")
+    assert again == config, f"config does not survive a round trip: {config} -> {again}"
+    for key, value in options.items():
+        if key != "decoding_type":
+            assert getattr(config, key) == value or list(getattr(config, key)) == value, f"{key} was not kept"
+    return config
+
+
+def check_greedy_lossless(options: dict, model: str | Path | None = None, prompts: list | None = None,
+                          max_tokens: int = 24, dtype: str = "float32"):
+    """Greedy output with the drafter equals plain greedy output, token for token.
+
+    ``model`` defaults to a tiny random Llama; prompts are token-id lists by default so a
+    model without a tokenizer works. Returns the speculative outputs.
+    """
+    from .api import LLM
+
+    if prompts is None:
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 100, (n,), generator=g).tolist() * 2 for n in (5, 9, 14)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=str(model) if model else None, dtype=dtype).generate(prompts, params)
+    spec = LLM(model=str(model) if model else None, dtype=dtype, speculative_config=options).generate(prompts, params)
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert a.token_ids == b.token_ids, (f"prompt {i}: speculative greedy output differs from plain greedy output:"
+                                            f"\nplain {a.token_ids}\nspec  {b.token_ids}")
+    return spec

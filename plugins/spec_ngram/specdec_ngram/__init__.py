@@ -1,0 +1,121 @@
+"""Prompt lookup (n-gram) drafting, with TensorRT-LLM's options.
+
+The pool maps every n-gram (``min_matching_ngram_size <= n <= max_matching_ngram_size``)
+seen in a sequence to the places it was followed by something. It is updated
+incrementally as tokens are accepted, never by rescanning the context. To draft, the
+longest suffix n-gram of the request that the pool knows is looked up and the tokens that
+followed it are proposed; since a place points into a live sequence, its continuation
+grows as that sequence does.
+
+Options (defaults in brackets):
+    max_draft_len [4]: tokens proposed per step.
+    max_matching_ngram_size [3]: the longest suffix tried first.
+    min_matching_ngram_size [1]: the shortest suffix still trusted.
+    is_public_pool [true]: one pool shared by all requests, or one per request.
+    is_keep_all [true]: keep every place an n-gram occurred, or only the newest.
+    is_use_oldest [true]: draft from the oldest place, or the newest.
+    max_places_per_ngram [8]: places kept per n-gram, bounding the pool's memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from specdec import DecodingType, Drafter, DraftProposal, hookimpl
+from specdec.config import SpeculativeConfig, in_range
+from specdec.errors import FieldError
+
+
+@attrs.frozen(kw_only=True)
+class NGramConfig(SpeculativeConfig):
+    max_matching_ngram_size: int = attrs.field(default=3, validator=in_range(1, 32))
+    min_matching_ngram_size: int = attrs.field(default=1, validator=in_range(1, 32))
+    is_public_pool: bool = True
+    is_keep_all: bool = True
+    is_use_oldest: bool = True
+    max_places_per_ngram: int = attrs.field(default=8, validator=in_range(1, 1024))
+
+    @min_matching_ngram_size.validator
+    def _check_min(self, attribute, value):
+        if value > self.max_matching_ngram_size:
+            raise FieldError(attribute.name, f"must be <= max_matching_ngram_size ({self.max_matching_ngram_size}), got {value}")
+
+
+class NGramPool:
+    """n-gram -> places ``(sequence, index)`` where the n-gram was followed by ``sequence[index]``."""
+
+    def __init__(self, config: NGramConfig):
+        self.sizes = range(config.max_matching_ngram_size, config.min_matching_ngram_size - 1, -1)
+        self.keep = config.max_places_per_ngram if config.is_keep_all else 1
+        self.oldest = config.is_use_oldest
+        self.places: dict[tuple[int, ...], deque] = {}
+
+    def index(self, seq: list[int], start: int, stop: int) -> None:
+        """Record the n-grams ending just before each index in ``[start, stop)`` of ``seq``."""
+        for i in range(max(start, 1), stop):
+            for n in self.sizes:
+                if n > i:
+                    continue
+                key = tuple(seq[i - n:i])
+                found = self.places.get(key)
+                if found is None:
+                    found = self.places[key] = deque(maxlen=self.keep)
+                elif self.oldest and len(found) == self.keep:
+                    continue  # full, and the oldest places are the ones wanted
+                found.append((seq, i))
+
+    def lookup(self, seq: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest known suffix n-gram of ``seq``."""
+        length = len(seq)
+        for n in self.sizes:
+            if n > length:
+                continue
+            found = self.places.get(tuple(seq[length - n:]))
+            if not found:
+                continue
+            source, i = found[0] if self.oldest else found[-1]
+            if source is seq and i >= length:
+                continue
+            return source[i:i + k]
+        return []
+
+
+class NGramDrafter(Drafter):
+    def __init__(self, config: NGramConfig, target):
+        super().__init__(config, target)
+        self.public = NGramPool(config) if config.is_public_pool else None
+
+    def _pool(self, request) -> NGramPool:
+        if self.public is not None:
+            return self.public
+        return request.drafter_state.setdefault("ngram_pool", NGramPool(self.config))
+
+    def _catch_up(self, request) -> None:
+        done = request.drafter_state.get("ngram_indexed", 0)
+        if done < len(request.token_ids):
+            self._pool(request).index(request.token_ids, done, len(request.token_ids))
+            request.drafter_state["ngram_indexed"] = len(request.token_ids)
+
+    @hookimpl
+    def prepare_draft_tokens(self, requests, draft_lens):
+        proposals = []
+        for req, k in zip(requests, draft_lens):
+            self._catch_up(req)
+            draft = self._pool(req).lookup(req.token_ids, k)
+            proposals.append(DraftProposal(token_ids=draft) if draft else None)
+        return proposals
+
+    @hookimpl
+    def on_draft_verified(self, results):
+        for result in results:
+            if result.new_token_ids:
+                self._catch_up(result.request)
+
+
+@hookimpl
+def register_decoding_types(register):
+    register(DecodingType(name="ngram", aliases=("NGram", "prompt_lookup"), config_class=NGramConfig,
+                          drafter_class=NGramDrafter,
+                          description="prompt lookup: drafts what followed the longest matching suffix"))
