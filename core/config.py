@@ -18,7 +18,7 @@ import cattrs
 import yaml
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
-from .errors import ConfigError, FieldError
+from .errors import ConfigError, FieldError, PluginError
 from .sampling_params import SamplingParams
 
 
@@ -245,13 +245,29 @@ def format_structure_error(exc: BaseException, path: str = "") -> str:
     return "\n".join(lines) if lines else str(exc)
 
 
+def _plugin_error_in(exc: BaseException) -> PluginError | None:
+    if isinstance(exc, PluginError):
+        return exc
+    for sub in getattr(exc, "exceptions", ()):
+        found = _plugin_error_in(sub)
+        if found is not None:
+            return found
+    return None
+
+
 def structure(data: Any, cl: type, path: str = ""):
-    """Build ``cl`` from plain data; any problem becomes one ConfigError naming the paths."""
+    """Build ``cl`` from plain data; any problem becomes one ConfigError naming the paths.
+
+    An unknown or missing decoding type is raised as the PluginError it is.
+    """
     try:
         return converter.structure(data, cl)
     except ConfigError:
         raise
     except Exception as exc:
+        plugin_error = _plugin_error_in(exc)
+        if plugin_error is not None:
+            raise plugin_error from None
         raise ConfigError(format_structure_error(exc, path)) from None
 
 

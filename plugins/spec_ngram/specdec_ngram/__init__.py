@@ -12,7 +12,8 @@ Options (defaults in brackets):
     max_matching_ngram_size [3]: the longest suffix tried first.
     min_matching_ngram_size [1]: the shortest suffix still trusted.
     is_public_pool [true]: one pool shared by all requests, or one per request.
-    is_keep_all [true]: keep every place an n-gram occurred, or only the newest.
+    is_keep_all [true]: keep every place an n-gram occurred, or only the newest (as
+        TensorRT-LLM does).
     is_use_oldest [true]: draft from the oldest place, or the newest.
     max_places_per_ngram [8]: places kept per n-gram, bounding the pool's memory.
 """
@@ -62,7 +63,7 @@ class NGramPool:
                 found = self.places.get(key)
                 if found is None:
                     found = self.places[key] = deque(maxlen=self.keep)
-                elif self.oldest and len(found) == self.keep:
+                elif self.oldest and self.keep > 1 and len(found) == self.keep:
                     continue  # full, and the oldest places are the ones wanted
                 found.append((seq, i))
 

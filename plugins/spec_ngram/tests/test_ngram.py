@@ -1,0 +1,134 @@
+"""spec_ngram: the pool, greedy losslessness on the embedded model, sampling through the core sampler."""
+
+import pytest
+
+from specdec import LLM, SamplingParams, testing
+from specdec_ngram import NGramConfig, NGramPool
+
+TEXT = ("The Apollo program was the third United States human spaceflight program carried out by NASA, "
+        "which accomplished landing the first humans on the Moon from 1969 to 1972. It was first conceived "
+        "during Dwight D. Eisenhower's administration as a three-person spacecraft to follow the one-person "
+        "Project Mercury, which put the first Americans in space.")
+
+
+def pool(**options):
+    return NGramPool(NGramConfig(decoding_type="ngram", **options))
+
+
+def test_longest_suffix_match_wins():
+    p = pool(max_matching_ngram_size=3)
+    seq = [1, 2, 3, 4, 9, 3, 4, 5, 6, 2, 3, 4]
+    p.index(seq, 0, len(seq))
+    assert p.lookup(seq, 2) == [9, 3]  # "2 3 4" -> 9 (not "3 4" -> 5)
+    assert p.lookup([7, 3, 4], 3) == [9, 3, 4]  # "3 4": the oldest place
+
+
+def test_newest_place_and_keep_only_the_newest():
+    seq = [3, 4, 9, 8, 3, 4, 5, 6, 3, 4]
+    newest = pool(is_use_oldest=False)
+    newest.index(seq, 0, len(seq))
+    assert newest.lookup(seq, 2) == [5, 6]
+    single = pool(is_keep_all=False, is_use_oldest=True)
+    single.index(seq, 0, len(seq))
+    assert len(single.places[(3, 4)]) == 1 and single.lookup(seq, 2) == [5, 6]
+
+
+def test_min_match_length_and_no_match():
+    p = pool(max_matching_ngram_size=3, min_matching_ngram_size=2)
+    seq = [1, 2, 3, 5]
+    p.index(seq, 0, len(seq))
+    assert p.lookup(seq + [3], 2) == []  # only a 1-gram would match
+    assert p.lookup([9, 9, 9], 2) == []
+
+
+def test_pool_is_updated_incrementally_and_continuations_grow():
+    p = pool()
+    seq = [1, 2, 3, 1, 2]
+    p.index(seq, 0, 5)
+    before = sum(len(v) for v in p.places.values())
+    seq.extend([3, 7])
+    p.index(seq, 5, 7)
+    assert sum(len(v) for v in p.places.values()) > before
+    assert p.lookup([1, 2], 4) == [3, 1, 2, 3]
+
+
+def test_public_pool_shares_across_requests(tmp_path):
+    model = testing.tiny_model_dir(tmp_path)
+    prompt_a = [5, 6, 7, 8, 9, 10, 11, 12]
+    shared = LLM(model=str(model), dtype="float32",
+                 speculative_config={"decoding_type": "ngram", "is_public_pool": True})
+    private = LLM(model=str(model), dtype="float32",
+                  speculative_config={"decoding_type": "ngram", "is_public_pool": False})
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for llm in (shared, private):
+        llm.generate([prompt_a], params)
+    # a request that has never seen [7, 8, ...] itself only gets drafts from the public pool
+    b_shared = shared.generate([[1, 7, 8]], params)[0]
+    b_private = private.generate([[1, 7, 8]], params)[0]
+    assert b_shared.metrics.num_draft_tokens > 0
+    assert b_private.metrics.drafted_at[:1] != b_shared.metrics.drafted_at[:1]
+
+
+def test_conformance():
+    testing.check_registration("ngram", distribution="specdec-plugin-ngram")
+    testing.check_config_round_trip({"decoding_type": "ngram", "max_draft_len": 6, "max_matching_ngram_size": 4,
+                                     "is_public_pool": False, "is_keep_all": False, "is_use_oldest": False})
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(dtype="float32")
+
+
+@pytest.mark.parametrize("options", [{"max_draft_len": 4}, {"max_draft_len": 8, "max_matching_ngram_size": 5},
+                                     {"max_draft_len": 3, "is_public_pool": False, "is_use_oldest": False}])
+def test_greedy_lossless_on_embedded_model(plain, options):
+    prompts = [[{"role": "user", "content": "Summarize in one sentence:\n\n" + TEXT}],
+               [{"role": "user", "content": "Fix the bug:\n\ndef add(a, b):\n    return a - b\n"}]]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    want = plain.chat(prompts, params)
+    spec = LLM(dtype="float32", speculative_config={"decoding_type": "ngram", **options})
+    got = spec.chat(prompts, params)
+    for a, b in zip(want, got):
+        assert b.token_ids == a.token_ids
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+    assert sum(o.metrics.num_steps for o in got) < sum(o.metrics.num_steps for o in want)
+
+
+def test_sampling_follows_target_distribution_through_core_sampler(tmp_path):
+    """First sampled token after a prompt ending in a repeated pattern (so ngram drafts
+    something): its empirical distribution matches the target's exact one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdec.sampler import probs_from_logits
+
+    model = testing.tiny_model_dir(tmp_path, vocab_size=32)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=5, ignore_eos=True)
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = probs_from_logits(ref(torch.tensor([prompt])).logits[0, -1:], params)[0]
+    llm = LLM(model=str(model), dtype="float32", speculative_config={"decoding_type": "ngram", "max_draft_len": 2})
+    n = 1500
+    counts = torch.zeros(32)
+    drafted = 0
+    for seed in range(n):
+        out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=1.0, top_k=5, seed=seed,
+                                                    ignore_eos=True))[0]
+        counts[out.token_ids[1]] += 1  # the 2nd token is the one verified against ngram drafts
+        drafted += out.metrics.num_draft_tokens
+    assert drafted > 0
+    # exact distribution of the 2nd token: sum over the first token
+    with torch.no_grad():
+        exact = torch.zeros(32)
+        for a in torch.nonzero(p1).flatten().tolist():
+            p2 = probs_from_logits(ref(torch.tensor([prompt + [a]])).logits[0, -1:], params)[0]
+            exact += p1[a] * p2
+    keep = exact * n >= 5
+    stat = float((((counts - exact * n) ** 2)[keep] / (exact * n)[keep]).sum())
+    dof = int(keep.sum()) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    assert counts[~(exact > 0)].sum() == 0
+    assert p_value > 1e-3, f"p-value {p_value:.2e}"

@@ -1,0 +1,122 @@
+"""Every configuration error names the path and the problem."""
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.config import EngineConfig, SpecdecConfig, config_from_dict, load_config, merge_overrides
+from specdec.errors import ConfigError, PluginError
+
+
+def error_of(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    return str(info.value)
+
+
+def test_unknown_key_suggests_the_right_one():
+    msg = error_of({"speculative_config": {"decoding_type": "ngram", "max_draft_lenn": 3}})
+    assert msg == "speculative_config.max_draft_lenn: unknown key (did you mean max_draft_len?)"
+    assert error_of({"engnie": {}}) == "engnie: unknown key (did you mean engine?)"
+    assert "engine.max_batch_sise: unknown key (did you mean max_batch_size?)" in error_of(
+        {"engine": {"max_batch_sise": 2}})
+
+
+def test_plugin_specific_key_is_checked_by_its_config_class():
+    msg = error_of({"speculative_config": {"decoding_type": "ngram", "max_matching_ngram_sise": 3}})
+    assert "speculative_config.max_matching_ngram_sise: unknown key (did you mean max_matching_ngram_size?)" == msg
+
+
+def test_wrong_types():
+    assert error_of({"speculative_config": {"decoding_type": "ngram", "max_draft_len": "4"}}) == \
+        "speculative_config.max_draft_len: expected an integer, got '4' (str)"
+    assert error_of({"speculative_config": {"decoding_type": "ngram", "max_draft_len": 4.5}}) == \
+        "speculative_config.max_draft_len: expected an integer, got 4.5 (float)"
+    assert error_of({"sampling": {"temperature": "hot"}}) == "sampling.temperature: expected a number, got 'hot' (str)"
+    assert error_of({"engine": {"enable_prefix_caching": "yes"}}) == \
+        "engine.enable_prefix_caching: expected true or false, got 'yes' (str)"
+
+
+def test_out_of_range_values():
+    assert error_of({"speculative_config": {"decoding_type": "ngram", "max_draft_len": 0}}) == \
+        "speculative_config.max_draft_len: must be between 1 and 64, got 0"
+    assert error_of({"sampling": {"top_p": 1.5}}) == "sampling.top_p: must be in (0.0, 1.0], got 1.5"
+    assert error_of({"dtype": "float64"}).startswith("dtype: must be one of 'auto', 'float32'")
+    assert "(did you mean bfloat16?)" in error_of({"dtype": "bfloat61"})
+    assert error_of({"speculative_config": {"decoding_type": "ngram", "max_matching_ngram_size": 2,
+                                            "min_matching_ngram_size": 3}}) == \
+        "speculative_config.min_matching_ngram_size: must be <= max_matching_ngram_size (2), got 3"
+
+
+def test_several_errors_are_all_reported():
+    msg = error_of({"speculative_config": {"decoding_type": "ngram", "max_draft_lenn": 3, "is_public_pool": 3},
+                    "engine": {"max_batch_size": 0}})
+    assert len(msg.splitlines()) == 3
+
+
+def test_unknown_decoding_type_lists_installed_ones():
+    with pytest.raises(PluginError) as info:
+        config_from_dict({"speculative_config": {"decoding_type": "ngrma"}})
+    msg = str(info.value)
+    assert "unknown decoding type 'ngrma'" in msg
+    for name in ("ngram", "lookahead", "draft_target", "medusa", "eagle", "eagle3", "mtp", "redrafter"):
+        assert name in msg
+    with pytest.raises(ConfigError, match="speculative_config.decoding_type: missing"):
+        config_from_dict({"speculative_config": {"max_draft_len": 3}})
+
+
+@pytest.mark.parametrize("alias,name", [("NGram", "ngram"), ("Eagle3", "eagle3"), ("DraftTarget", "draft_target"),
+                                        ("MTP", "mtp"), ("Medusa", "medusa"), ("Lookahead", "lookahead")])
+def test_tensorrt_llm_spellings_are_aliases(alias, name):
+    assert config_from_dict({"speculative_config": {"decoding_type": alias}}).speculative_config.decoding_type == name
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("dtype: float32\nspeculative_config: {decoding_type: NGram, max_draft_len: 5}\n"
+                    "sampling: {temperature: 0, max_tokens: 12, stop: '###'}\nengine: {max_batch_size: 4}\n")
+    cfg = load_config(path)
+    assert cfg.speculative_config.max_draft_len == 5 and cfg.sampling.stop == ("###",)
+    assert cfg.engine == EngineConfig(max_batch_size=4)
+    path.write_text("dtype: [float32\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_overrides_win_over_yaml():
+    cfg = config_from_dict({"speculative_config": {"decoding_type": "ngram", "max_draft_len": 5},
+                            "engine": {"max_batch_size": 4}})
+    cfg = merge_overrides(cfg, {"engine.max_batch_size": 2, "speculative_config.max_matching_ngram_size": 5,
+                                "sampling.temperature": 0.0, "model": None})
+    assert cfg.engine.max_batch_size == 2 and cfg.speculative_config.max_matching_ngram_size == 5
+    assert cfg.speculative_config.max_draft_len == 5 and cfg.sampling.temperature == 0.0
+    assert isinstance(cfg, SpecdecConfig)
+
+
+def test_draft_len_schedule():
+    spec = config_from_dict({"speculative_config": {"decoding_type": "ngram", "max_draft_len": 6,
+                                                    "draft_len_schedule": {1: 6, 4: 3, 16: 0}}}).speculative_config
+    assert [spec.draft_len_for_batch(b) for b in (1, 3, 4, 15, 16, 64)] == [6, 6, 3, 3, 0, 0]
+    assert "draft lengths must be between 0 and 64" in error_of(
+        {"speculative_config": {"decoding_type": "ngram", "draft_len_schedule": {1: 99}}})
+
+
+def test_sampling_params_validate_directly():
+    with pytest.raises(ConfigError, match="temperature: must be in"):
+        SamplingParams(temperature=-1.0)
+    assert SamplingParams(stop="x").stop == ("x",)
+
+
+def test_llm_checks_config_before_loading_weights(tmp_path):
+    with pytest.raises(ConfigError, match="speculative_config.max_draft_lenn"):
+        LLM(speculative_config={"decoding_type": "ngram", "max_draft_lenn": 3})
+    from specdec.errors import ModelLoadError
+    with pytest.raises(ModelLoadError, match="no such file or directory"):
+        LLM(model=str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLM(model=str(tmp_path / "empty"))

@@ -1,0 +1,67 @@
+"""The runner over unmodified transformers models of several architectures."""
+
+import pytest
+import torch
+from conftest import reference_greedy
+
+from specdec import LLM, SamplingParams, testing
+
+ARCHS = list(testing.TINY_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_the_stock_model(tiny_models, arch):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
+    llm = LLM(model=str(tiny_models[arch]), dtype="float32")
+    prompts = [list(range(3, 15)), [40, 41, 42, 43, 44] * 3, [7, 8, 9]]  # longer than the sliding windows
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(ref, prompt, 16), f"{arch}: prompt {prompt}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "deepseek_v3"])
+def test_tree_drafts_are_lossless_on_each_architecture(tiny_models, arch):
+    spec = {"decoding_type": "user", "drafter": "helpers:OracleDrafter", "max_draft_len": 3,
+            "options": {"tree": True, "seed": 2}}
+    testing.check_greedy_lossless(spec, model=tiny_models[arch])
+
+
+def test_hidden_states_reach_the_drafter_without_recomputation(tiny_models):
+    from specdec import Drafter, hookimpl
+
+    seen = []
+
+    class Watcher(Drafter):
+        @hookimpl
+        def target_hidden_layers(self, target):
+            return [0, -1]
+
+        @hookimpl
+        def prepare_draft_tokens(self, requests, draft_lens):
+            return [None] * len(requests)
+
+        @hookimpl
+        def on_draft_verified(self, results):
+            seen.extend(results)
+
+    import sys
+    import types
+    module = types.ModuleType("watcher_mod")
+    module.Watcher = Watcher
+    sys.modules["watcher_mod"] = module
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32",
+              speculative_config={"decoding_type": "user", "drafter": "watcher_mod:Watcher"})
+    llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    prefill = seen[0]
+    assert prefill.is_prefill and set(prefill.hidden_states) == {0, -1}
+    assert prefill.hidden_states[-1].shape == (5, 64)
+    # the final normalised state of the last prompt token, recomputed by the stock model, agrees
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref.model(torch.tensor([[1, 2, 3, 4, 5]])).last_hidden_state[0]
+    torch.testing.assert_close(prefill.hidden_states[-1], want, atol=1e-4, rtol=1e-4)
+    decode = seen[1]
+    assert not decode.is_prefill and decode.hidden_states[0].shape == (1, 64)

@@ -1,0 +1,135 @@
+"""Plugins found through real entry points; hook documentation; failures reported by distribution."""
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from specdec import LLM, hookspecs, testing
+from specdec.errors import PluginError
+from specdec.plugins import get_registry, hook_names, reset_registry
+
+METHODS = {"ngram": "specdec-plugin-ngram", "lookahead": "specdec-plugin-lookahead",
+           "draft_target": "specdec-plugin-draft-target", "medusa": "specdec-plugin-medusa",
+           "eagle": "specdec-plugin-eagle", "eagle3": "specdec-plugin-eagle", "mtp": "specdec-plugin-mtp",
+           "redrafter": "specdec-plugin-redrafter"}
+
+
+def run_specdec(*args, env=None, input=None):
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, input=input, timeout=600)
+
+
+def test_every_hook_is_documented():
+    names = hook_names()
+    assert {"register_decoding_types", "prepare_draft_tokens", "build_tree_mask", "on_draft_verified",
+            "target_hidden_layers", "on_request_finished"} <= set(names)
+    for name in names:
+        doc = inspect.getdoc(getattr(hookspecs, name)) or ""
+        params = inspect.signature(getattr(hookspecs, name)).parameters
+        assert len(doc.splitlines()[0]) > 10, f"{name}: no summary line"
+        assert "Called" in doc, f"{name}: does not say when it is called"
+        for param in params:
+            assert f":param {param}:" in doc, f"{name}: argument {param} undocumented"
+        assert ":return:" in doc, f"{name}: return value undocumented"
+        assert "Example::" in doc, f"{name}: no example"
+
+
+def test_plugins_json_lists_every_method_with_its_distribution():
+    result = run_specdec("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    found = {row["name"]: row for row in data["decoding_types"]}
+    for name, dist in METHODS.items():
+        assert found[name]["distribution"] == dist
+        assert found[name]["version"] == "0.1.0"
+    assert found["ngram"]["implemented"] and "prepare_draft_tokens" in found["ngram"]["hooks"]
+    assert found["eagle3"]["aliases"] == ["Eagle3"]
+    assert data["failed"] == []
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_each_plugin_registers_through_its_entry_point(name):
+    testing.check_registration(name, distribution=METHODS[name])
+
+
+def test_not_implemented_method_fails_clearly():
+    with pytest.raises(PluginError, match="'medusa' .*specdec-plugin-medusa.* not implemented yet"):
+        get_registry().create_drafter(get_registry().types["medusa"].config_class(decoding_type="medusa"), None)
+
+
+def test_missing_plugin_names_the_package_to_install(monkeypatch):
+    monkeypatch.setenv("SPECDEC_PLUGINS", "ngram")
+    reset_registry()
+    try:
+        assert get_registry().names() == ["ngram", "user"]
+        with pytest.raises(PluginError) as info:
+            LLM(speculative_config={"decoding_type": "eagle3"})
+        msg = str(info.value)
+        assert "'eagle3'" in msg and "installed: ngram, user" in msg and "pip install specdec-plugin-eagle" in msg
+    finally:
+        monkeypatch.delenv("SPECDEC_PLUGINS")
+        reset_registry()
+
+
+def test_broken_plugin_is_reported_with_its_distribution_and_others_keep_working(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "broken_specdec_plugin.py").write_text("import not_a_module_that_exists\n")
+    dist = site / "specdec_plugin_broken-0.3.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: specdec-plugin-broken\nVersion: 0.3\n")
+    (dist / "entry_points.txt").write_text("[specdec.plugins]\nbroken = broken_specdec_plugin\n")
+    env = {"PYTHONPATH": str(site)}
+    result = run_specdec("plugins", "--json", env=env)
+    assert result.returncode == 0
+    data = json.loads(result.stdout)
+    assert data["failed"] == [{"plugin": "broken", "distribution": "specdec-plugin-broken",
+                               "error": "ModuleNotFoundError: No module named 'not_a_module_that_exists'"}]
+    assert "ngram" in {row["name"] for row in data["decoding_types"]}
+    table = run_specdec("plugins", env=env)
+    assert "FAILED  broken (specdec-plugin-broken)" in table.stdout
+    assert "Traceback" not in table.stdout + table.stderr
+
+
+def test_user_decoding_type_loads_a_class_by_dotted_path(tmp_path):
+    (tmp_path / "my_drafts.py").write_text(textwrap.dedent("""
+        from specdec import Drafter, DraftProposal, hookimpl
+
+        class RepeatLast(Drafter):
+            @hookimpl
+            def prepare_draft_tokens(self, requests, draft_lens):
+                return [DraftProposal(token_ids=[r.token_ids[-1]] * k) for r, k in zip(requests, draft_lens)]
+    """))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        spec = {"decoding_type": "user", "drafter": "my_drafts:RepeatLast", "max_draft_len": 2}
+        outs = testing.check_greedy_lossless(spec, model=testing.tiny_model_dir(tmp_path))
+        assert all(o.metrics.num_draft_tokens > 0 for o in outs)
+        with pytest.raises(PluginError, match="cannot import 'my_drafts:Nope'"):
+            LLM(model=str(testing.tiny_model_dir(tmp_path)),
+                speculative_config={"decoding_type": "user", "drafter": "my_drafts:Nope"})
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_drafter_with_a_misspelled_hook_is_rejected(tmp_path):
+    (tmp_path / "typo_drafts.py").write_text(textwrap.dedent("""
+        from specdec import Drafter, hookimpl
+
+        class Typo(Drafter):
+            @hookimpl
+            def prepare_draft_token(self, requests, draft_lens):
+                return []
+    """))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(PluginError, match="prepare_draft_token"):
+            LLM(model=str(testing.tiny_model_dir(tmp_path)),
+                speculative_config={"decoding_type": "user", "drafter": "typo_drafts:Typo"})
+    finally:
+        sys.path.remove(str(tmp_path))

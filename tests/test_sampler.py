@@ -1,0 +1,179 @@
+"""Acceptance rules: greedy exactness, and sampled output that follows the target distribution.
+
+The statistical tests draw the first two output tokens many times through the real
+acceptance code, with draft and target distributions taken from two tiny random models,
+and compare their empirical joint distribution with the exact one (chi-square). A
+deliberately wrong rule must fail the same test.
+"""
+
+import pytest
+import torch
+
+import specdec.sampler.acceptance as acceptance
+from specdec import DraftProposal, SamplingParams
+from specdec.sampler import probs_from_logits, verify_greedy, verify_sampled
+
+
+def test_greedy_chain_and_tree():
+    # rows: root, then nodes; target argmax per row
+    chain = DraftProposal(token_ids=[5, 6, 7])
+    assert verify_greedy([5, 6, 9, 1], chain).tokens == [5, 6, 9]
+    assert verify_greedy([5, 6, 7, 1], chain).tokens == [5, 6, 7, 1]
+    assert verify_greedy([4, 0, 0, 0], chain).tokens == [4]
+    # tree: root -> (3, 5); 5 -> (6, 8); 8 -> 9
+    tree = DraftProposal(token_ids=[3, 5, 6, 8, 9], parents=[-1, -1, 1, 1, 3])
+    verdict = verify_greedy([5, 0, 8, 0, 9, 2], tree)
+    assert verdict.accepted_nodes == [1, 3, 4] and verdict.tokens == [5, 8, 9, 2]
+    assert verify_greedy([7, 0, 0, 0, 0, 0], tree).tokens == [7]
+
+
+def test_logits_processing():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (p[0, 2:] == 0).all() and torch.allclose(p.sum(), torch.tensor(1.0))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert (p[0] > 0).tolist() == [True, False, False, False]
+    p = probs_from_logits(logits, SamplingParams(temperature=0.0))
+    assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    hot = probs_from_logits(logits, SamplingParams(temperature=2.0))
+    cold = probs_from_logits(logits, SamplingParams(temperature=0.5))
+    assert hot[0, 0] < cold[0, 0]
+
+
+class Tables:
+    """Target and draft next-token distributions per prefix, from two tiny random models."""
+
+    def __init__(self, tiny_dir_a, tiny_dir_b, params: SamplingParams):
+        from transformers import AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(tiny_dir_a, dtype=torch.float32).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(tiny_dir_b, dtype=torch.float32).eval()
+        self.params = params
+        self.cache = {}
+
+    def probs(self, model, prefix: tuple) -> torch.Tensor:
+        key = (id(model), prefix)
+        if key not in self.cache:
+            with torch.no_grad():
+                logits = model(torch.tensor([[1, 2, *prefix]])).logits[0, -1:]
+            self.cache[key] = probs_from_logits(logits, self.params)[0]
+        return self.cache[key]
+
+    def exact_pair(self) -> dict:
+        p1 = self.probs(self.target, ())
+        out = {}
+        for a in torch.nonzero(p1).flatten().tolist():
+            p2 = self.probs(self.target, (a,))
+            for b in torch.nonzero(p2).flatten().tolist():
+                out[(a, b)] = float(p1[a] * p2[b])
+        return out
+
+
+def draft_tree(tables, prefix, shape, gen):
+    """Draft from q: 'chain' (2 tokens), 'iid'/'without_replacement'/'topk' trees (2 children, depth 2)."""
+    q_of = lambda path: tables.probs(tables.draft, prefix + tuple(path))  # noqa: E731
+    if shape == "chain":
+        tokens, rows = [], []
+        for _ in range(2):
+            q = q_of(tokens)
+            tokens.append(int(torch.multinomial(q, 1, generator=gen)))
+            rows.append(q)
+        return DraftProposal(token_ids=tokens, draft_probs=torch.stack(rows), sibling_sampling="iid")
+    tokens, parents, rows = [], [], []
+
+    def children(path, parent):
+        q = q_of(path)
+        if shape == "topk":
+            picks = torch.topk(q, 2).indices.tolist()
+        else:
+            picks = torch.multinomial(q, 2, replacement=shape == "iid", generator=gen).tolist()
+        made = []
+        for tok in picks:
+            tokens.append(tok)
+            parents.append(parent)
+            rows.append(q)
+            made.append((len(tokens) - 1, tok))
+        return made
+
+    for node, tok in children([], -1):
+        children([tok], node)
+    sampling = {"iid": "iid", "without_replacement": "without_replacement", "topk": "deterministic"}[shape]
+    return DraftProposal(token_ids=tokens, parents=parents, draft_probs=torch.stack(rows), sibling_sampling=sampling)
+
+
+def sample_pairs(tables, shape, n, seed=0, ignore_q=False):
+    """First two output tokens, ``n`` times. ``ignore_q``: a wrong rule that verifies drafts
+    sampled from q as if q were uniform."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = {}
+    for _ in range(n):
+        out: list[int] = []
+        while len(out) < 2:
+            prefix = tuple(out)
+            prop = draft_tree(tables, prefix, shape, gen)
+            if ignore_q:
+                prop.draft_probs = torch.full_like(prop.draft_probs, 1.0 / prop.draft_probs.shape[-1])
+            paths = []
+            for tok, parent in zip(prop.token_ids, prop.parents):
+                paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
+            target = torch.stack([tables.probs(tables.target, prefix)] +
+                                 [tables.probs(tables.target, prefix + p) for p in paths])
+            out.extend(verify_sampled(target, prop, gen).tokens)
+        key = (out[0], out[1])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def chi_square_p_value(counts: dict, exact: dict, n: int) -> float:
+    unexpected = sum(c for k, c in counts.items() if exact.get(k, 0.0) == 0.0)
+    if unexpected:
+        return 0.0
+    # pool cells with small expected counts so the chi-square approximation holds
+    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for key, prob in exact.items():
+        expected, observed = prob * n, counts.get(key, 0)
+        if expected < 5:
+            pooled_obs += observed
+            pooled_exp += expected
+            continue
+        stat += (observed - expected) ** 2 / expected
+        dof += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        dof += 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+SETTINGS = [SamplingParams(temperature=1.0, top_k=4), SamplingParams(temperature=0.7, top_k=6, top_p=0.9),
+            SamplingParams(temperature=1.3, top_k=5)]
+N = 6000
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from specdec import testing
+
+    root = tmp_path_factory.mktemp("pair")
+    return testing.tiny_model_dir(root, seed=0, vocab_size=32), testing.tiny_model_dir(root, seed=1, vocab_size=32)
+
+
+@pytest.mark.parametrize("shape", ["chain", "iid", "without_replacement", "topk"])
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_sampled_output_follows_the_target_distribution(tiny_pair, shape, setting):
+    tables = Tables(*tiny_pair, SETTINGS[setting])
+    counts = sample_pairs(tables, shape, N, seed=setting)
+    p = chi_square_p_value(counts, tables.exact_pair(), N)
+    assert p > 1e-3, f"{shape} at {SETTINGS[setting]}: chi-square p-value {p:.2e}"
+
+
+@pytest.mark.parametrize("wrong", ["residual_without_q", "residual_without_clamp", "ignore_q"])
+def test_a_wrong_rule_fails_the_same_test(tiny_pair, monkeypatch, wrong):
+    tables = Tables(*tiny_pair, SETTINGS[0])
+    if wrong == "residual_without_q":
+        monkeypatch.setattr(acceptance, "_residual", lambda p, q: p)
+    elif wrong == "residual_without_clamp":
+        monkeypatch.setattr(acceptance, "_residual", lambda p, q: (p - q).abs() / (p - q).abs().sum())
+    counts = sample_pairs(tables, "chain", N, seed=0, ignore_q=wrong == "ignore_q")
+    p = chi_square_p_value(counts, tables.exact_pair(), N)
+    assert p < 1e-3, f"the wrong rule {wrong} passed (p-value {p:.2e})"
