@@ -29,12 +29,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-draft-len", type=int, default=8)
+    parser.add_argument("--max-draft-len", type=int, help="default: the ngram plugin's own")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     plain = LLM(dtype=args.dtype)
-    spec = LLM(dtype=args.dtype, speculative_config={"decoding_type": "ngram", "max_draft_len": args.max_draft_len})
+    ngram = {"decoding_type": "ngram"}
+    if args.max_draft_len:
+        ngram["max_draft_len"] = args.max_draft_len
+    spec = LLM(dtype=args.dtype, speculative_config=ngram)
     warm = SamplingParams(max_tokens=8, temperature=0.0)
     plain.chat(messages("chat")[0], warm)
     spec.chat(messages("chat")[0], warm)

@@ -8,7 +8,7 @@ followed it are proposed; since a place points into a live sequence, its continu
 grows as that sequence does.
 
 Options (defaults in brackets):
-    max_draft_len [4]: tokens proposed per step.
+    max_draft_len [12]: tokens proposed per step.
     max_matching_ngram_size [3]: the longest suffix tried first.
     min_matching_ngram_size [1]: the shortest suffix still trusted.
     is_public_pool [true]: one pool shared by all requests, or one per request.
@@ -31,6 +31,9 @@ from specdec.errors import FieldError
 
 @attrs.frozen(kw_only=True)
 class NGramConfig(SpeculativeConfig):
+    # Longer than the core default: verifying 12 tokens costs little more than 4 on CPU in
+    # bfloat16, and copied spans are long (benchmarks/compare_hf.py, BENCHMARKS.md).
+    max_draft_len: int = attrs.field(default=12, validator=in_range(1, 64))
     max_matching_ngram_size: int = attrs.field(default=3, validator=in_range(1, 32))
     min_matching_ngram_size: int = attrs.field(default=1, validator=in_range(1, 32))
     is_public_pool: bool = True
