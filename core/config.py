@@ -83,6 +83,10 @@ class SpeculativeConfig:
             if not 0 <= length <= 64:
                 raise FieldError(attribute.name, f"draft lengths must be between 0 and 64, got {length} for batch size {batch}")
 
+    def acceptance_rule(self):
+        """An opt-in lossy rule from :mod:`specdec.sampler.lossy`, or None for exact verification."""
+        return None
+
     def draft_len_for_batch(self, batch_size: int) -> int:
         if not self.draft_len_schedule:
             return self.max_draft_len

@@ -1,8 +1,14 @@
 import os
 import warnings
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through the interpreter; it must be chosen before any
+    # kernel module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=UserWarning)

@@ -191,3 +191,19 @@ def test_metrics_names(smol):
     assert m.acceptance_length > 1.0
     assert len(m.per_position_acceptance) == 4 and all(0 <= x <= 1 for x in m.per_position_acceptance)
     assert m.time_to_first_token is not None and m.time_to_first_token > 0
+
+
+def test_engine_applies_an_opt_in_lossy_rule(tiny_models):
+    from specdec.sampler.lossy import RelaxedAcceptance
+
+    spec = {"decoding_type": "user", "drafter": "helpers:OracleDrafter", "max_draft_len": 3, "options": {"seed": 4}}
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompt = [[3, 4, 5, 6, 7]]
+    exact = LLM(model=str(tiny_models["llama"]), dtype="float32", speculative_config=spec)
+    relaxed = LLM(model=str(tiny_models["llama"]), dtype="float32", speculative_config=spec)
+    relaxed.engine.acceptance_rule = RelaxedAcceptance(topk=128, delta=1.0)  # admits any token: maximally lossy
+    a = exact.generate(prompt, params)[0]
+    b = relaxed.generate(prompt, params)[0]
+    assert b.metrics.num_accepted_tokens == b.metrics.num_draft_tokens  # every draft accepted
+    assert a.metrics.num_accepted_tokens < a.metrics.num_draft_tokens
+    assert a.token_ids != b.token_ids

@@ -174,6 +174,55 @@ def test_a_wrong_rule_fails_the_same_test(tiny_pair, monkeypatch, wrong):
         monkeypatch.setattr(acceptance, "_residual", lambda p, q: p)
     elif wrong == "residual_without_clamp":
         monkeypatch.setattr(acceptance, "_residual", lambda p, q: (p - q).abs() / (p - q).abs().sum())
-    counts = sample_pairs(tables, "chain", N, seed=0, ignore_q=wrong == "ignore_q")
+    # residual rules live in the tree loop; a chain goes through the batched kernel's path
+    counts = sample_pairs(tables, "chain" if wrong == "ignore_q" else "iid", N, seed=0, ignore_q=wrong == "ignore_q")
     p = chi_square_p_value(counts, tables.exact_pair(), N)
     assert p < 1e-3, f"the wrong rule {wrong} passed (p-value {p:.2e})"
+
+
+class _Req:
+    def __init__(self, greedy=True, token_ids=(), seed=0):
+        self.sampling_params = SamplingParams(temperature=0.0 if greedy else 1.0)
+        self.token_ids = list(token_ids)
+        self.generator = torch.Generator().manual_seed(seed)
+
+
+def test_typical_acceptance_accepts_plausible_non_argmax_tokens():
+    from specdec.sampler.lossy import TypicalAcceptance
+
+    # root row: flat-ish (high entropy) -> a low threshold; row after node 0: peaked
+    probs = torch.tensor([[0.40, 0.35, 0.25, 0.0], [0.05, 0.05, 0.05, 0.85], [0.25, 0.25, 0.25, 0.25]])
+    rule = TypicalAcceptance(posterior_threshold=0.3, posterior_alpha=0.3)
+    prop = DraftProposal(token_ids=[1, 2])  # 1 is not the argmax of the root row, but plausible
+    verdict = rule.verify(probs, probs.log(), prop, _Req(greedy=False))
+    assert verdict.accepted_nodes == [0]  # token 2 has p=0.05 after node 0: rejected
+    assert verdict.tokens[:1] == [1] and len(verdict.tokens) == 2
+    exact = verify_greedy(probs.argmax(-1).tolist(), prop)
+    assert exact.accepted_nodes == []  # the exact greedy rule rejects token 1
+
+
+def test_relaxed_acceptance_only_inside_the_thinking_phase():
+    from specdec.sampler.lossy import RelaxedAcceptance
+
+    logits = torch.log(torch.tensor([[0.5, 0.45, 0.05], [0.6, 0.3, 0.1], [0.1, 0.1, 0.8]]))
+    prop = DraftProposal(token_ids=[1, 1])
+    rule = RelaxedAcceptance(topk=2, delta=0.1, begin_token=7, end_token=8)
+    thinking = _Req(token_ids=[5, 7, 3])
+    verdict = rule.verify(logits.softmax(-1), logits, prop, thinking)
+    assert verdict.accepted_nodes == [0]  # 1 is top-2 and within 0.1 of the top; then 0.3 < 0.6 - 0.1
+    assert verdict.tokens == [1, 0]
+    assert rule.verify(logits.softmax(-1), logits, prop, _Req(token_ids=[7, 3, 8])) is None
+    assert RelaxedAcceptance(topk=1, delta=0.5).verify(logits.softmax(-1), logits, prop, thinking).accepted_nodes == []
+
+
+def test_lossy_rules_are_opt_in_per_method_config():
+    from specdec.config import config_from_dict
+
+    medusa = config_from_dict({"speculative_config": {"decoding_type": "medusa"}}).speculative_config
+    assert medusa.acceptance_rule() is None
+    medusa = config_from_dict({"speculative_config": {"decoding_type": "medusa", "use_typical_acceptance": True}})
+    assert medusa.speculative_config.acceptance_rule().posterior_threshold == 0.09
+    mtp = config_from_dict({"speculative_config": {"decoding_type": "mtp", "use_relaxed_acceptance_for_thinking": True,
+                                                   "relaxed_topk": 3, "begin_thinking_phase_token": 7,
+                                                   "end_thinking_phase_token": 8}}).speculative_config
+    assert mtp.acceptance_rule().topk == 3

@@ -23,8 +23,10 @@ import torch
 from ..config import EngineConfig, SpeculativeConfig
 from ..drafting import DraftProposal, StepResult, TreeMask
 from ..errors import RequestError
+from ..kernels import AttentionLayout, SequenceSlice
 from ..kvcache import KVCacheManager, PagedKVCache
-from ..sampler import apply_repetition_penalty, probs_from_logits, verify_greedy, verify_sampled
+from ..sampler import (Verdict, apply_repetition_penalty, probs_from_logits, verify_greedy, verify_greedy_batch,
+                       verify_sampled)
 from ..sampling_params import SamplingParams
 from .metrics import RequestMetrics
 from .model_runner import ForwardMetadata, TargetModel
@@ -73,6 +75,7 @@ class Engine:
         cache = PagedKVCache(target.layer_shapes, num_blocks, config.block_size, target.dtype, target.device)
         self.kv = KVCacheManager(cache, num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
+        self.acceptance_rule = spec.acceptance_rule() if spec is not None else None
         self.hidden_layers: list[int] = []
         if self.hooks is not None:
             wanted = self.hooks.target_hidden_layers(target=target)
@@ -204,57 +207,51 @@ class Engine:
 
     def _forward(self, items: list[_Item]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         device = self.target.device
-        tokens, positions, slots, context, rows, key_pos = [], [], [], [], [], []
+        tokens, rows = [], []
         row = 0
         for it in items:
             n = len(it.tokens)
             it.row_offset = row
-            tokens.extend(it.tokens)
-            positions.append(it.positions)
-            slots.extend(self.kv.slots(it.request, it.start, n))
-            context.extend(self.kv.slots(it.request, 0, it.start + n))
-            key_pos.append(torch.arange(it.start + n))
             it.logits_from = len(rows)
+            tokens.extend(it.tokens)
             rows.extend(range(row + n - it.num_logits, row + n))
             row += n
-        mask = self._packed_mask(items)
-        pos = torch.cat(positions).to(device)
-        meta = ForwardMetadata(cache=self.kv.cache, slot_mapping=torch.tensor(slots, device=device),
-                               context_slots=torch.tensor(context, device=device), mask=mask,
-                               query_positions=pos, key_positions=torch.cat(key_pos).to(device))
-        return self.target.forward(torch.tensor(tokens, device=device), pos, meta,
+        layout = AttentionLayout([SequenceSlice(block_table=it.request.block_table, start=it.start,
+                                                positions=it.positions, tree_mask=it.tree_mask) for it in items],
+                                 self.kv.block_size, device)
+        return self.target.forward(torch.tensor(tokens, device=device), layout.query_positions,
+                                   ForwardMetadata(cache=self.kv.cache, layout=layout),
                                    torch.tensor(rows, device=device, dtype=torch.long))
 
-    def _packed_mask(self, items: list[_Item]) -> torch.Tensor | None:
-        """``[T, S]``: each item's queries see its context, causally or through its tree mask."""
-        if len(items) == 1 and len(items[0].tokens) == 1:
-            return None
-        total_q = sum(len(it.tokens) for it in items)
-        total_k = sum(it.start + len(it.tokens) for it in items)
-        mask = torch.zeros(total_q, total_k, dtype=torch.bool)
-        q0 = k0 = 0
-        for it in items:
-            n = len(it.tokens)
-            mask[q0:q0 + n, k0:k0 + it.start] = True
-            new = mask[q0:q0 + n, k0 + it.start:k0 + it.start + n]
-            new.copy_(it.tree_mask if it.tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril_())
-            q0 += n
-            k0 += it.start + n
-        return mask.to(self.target.device)
+    def _greedy_verdicts(self, items: list[_Item], logits: torch.Tensor) -> dict[int, Verdict]:
+        """Verdicts of every plain-greedy item, prefill or decode, from one batched verification."""
+        chosen = [it for it in items if it.num_logits and self._plain_greedy(it.request.sampling_params)
+                  and (it.proposal is None or self.acceptance_rule is None)]
+        if not chosen:
+            return {}
+        rows = torch.cat([torch.arange(it.logits_from, it.logits_from + 1 + self._num_nodes(it)) for it in chosen])
+        argmax = logits.argmax(-1).index_select(0, rows.to(logits.device))
+        verdicts = verify_greedy_batch(argmax, [it.proposal for it in chosen])
+        return {id(it): v for it, v in zip(chosen, verdicts)}
+
+    @staticmethod
+    def _num_nodes(it: _Item) -> int:
+        return len(it.proposal.token_ids) if it.proposal is not None else 0
 
     def _settle(self, items: list[_Item], logits: torch.Tensor, hidden: dict[int, torch.Tensor]) -> list[StepOutput]:
-        greedy_rows = logits.argmax(-1).tolist()
+        greedy = self._greedy_verdicts(items, logits)
         results: list[StepResult] = []
         moves_src, moves_dst = [], []
         for it in items:
             req = it.request
             if it.is_prefill:
                 self.kv.commit(req, it.start + len(it.tokens))
-                new = self._sample_first(req, it, logits, greedy_rows) if it.num_logits else []
+                new = [] if not it.num_logits else (
+                    greedy[id(it)].tokens if id(it) in greedy else self._sample_first(req, it, logits))
                 results.append(StepResult(request=req, new_token_ids=new, is_prefill=True,
                                           hidden_states=self._rows(hidden, it.row_offset, range(len(it.tokens)))))
                 continue
-            verdict = self._verify(req, it, logits, greedy_rows)
+            verdict = greedy.get(id(it)) or self._verify(req, it, logits)
             root = it.start
             for k, node in enumerate(verdict.accepted_nodes, start=1):
                 moves_src.extend(self.kv.slots(req, root + 1 + node, 1))
@@ -299,26 +296,25 @@ class Engine:
     def _plain_greedy(self, params: SamplingParams) -> bool:
         return params.greedy and params.repetition_penalty == 1.0
 
-    def _sample_first(self, req: Request, it: _Item, logits: torch.Tensor, greedy_rows: list[int]) -> list[int]:
-        params = req.sampling_params
-        if self._plain_greedy(params):
-            return [greedy_rows[it.logits_from]]
+    def _sample_first(self, req: Request, it: _Item, logits: torch.Tensor) -> list[int]:
         probs = self._probs(req, logits[it.logits_from:it.logits_from + 1], [req.token_ids])
         return verify_sampled(probs, None, req.generator).tokens
 
-    def _verify(self, req: Request, it: _Item, logits: torch.Tensor, greedy_rows: list[int]):
+    def _verify(self, req: Request, it: _Item, logits: torch.Tensor) -> Verdict:
         params, prop = req.sampling_params, it.proposal
-        n = 1 + (len(prop.token_ids) if prop is not None else 0)
-        if self._plain_greedy(params):
-            return verify_greedy(greedy_rows[it.logits_from:it.logits_from + n], prop)
         histories = [req.token_ids]
         if prop is not None:
             paths: list[list[int]] = []
             for tok, parent in zip(prop.token_ids, prop.parents):
                 paths.append((paths[parent] if parent >= 0 else []) + [tok])
             histories += [req.token_ids + p for p in paths]
-        probs = self._probs(req, logits[it.logits_from:it.logits_from + n], histories)
-        if params.greedy:
+        rows = logits[it.logits_from:it.logits_from + 1 + self._num_nodes(it)]
+        probs = self._probs(req, rows, histories)
+        if prop is not None and self.acceptance_rule is not None:
+            verdict = self.acceptance_rule.verify(probs, rows, prop, req)
+            if verdict is not None:
+                return verdict
+        if params.greedy:  # greedy with a repetition penalty, or outside a lossy rule's scope
             return verify_greedy(probs.argmax(-1).tolist(), prop)
         return verify_sampled(probs, prop, req.generator)
 

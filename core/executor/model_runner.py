@@ -15,7 +15,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..kernels import paged_attention
+from ..kernels import AttentionLayout, paged_attention
 from ..kvcache import PagedKVCache
 
 ATTENTION_NAME = "specdec_paged"
@@ -23,28 +23,13 @@ ATTENTION_NAME = "specdec_paged"
 
 @attrs.define
 class ForwardMetadata:
-    """Everything the attention layers need for one packed forward.
-
-    ``mask`` is ``[T, S]`` (None: no masking needed); ``query_positions`` and
-    ``key_positions`` let sliding-window layers narrow it.
-    """
+    """What the attention layers need for one packed forward: the cache, the step's layout,
+    and a cache of sliding-window masks shared by the layers. ``probe`` collects K/V shapes."""
 
     cache: PagedKVCache | None
-    slot_mapping: torch.Tensor | None = None
-    context_slots: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    query_positions: torch.Tensor | None = None
-    key_positions: torch.Tensor | None = None
+    layout: AttentionLayout | None = None
     probe: list | None = None
-    _window_masks: dict = attrs.Factory(dict)
-
-    def mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
-        if not sliding_window:
-            return self.mask
-        if sliding_window not in self._window_masks:
-            near = (self.query_positions[:, None] - self.key_positions[None, :]) < sliding_window
-            self._window_masks[sliding_window] = near if self.mask is None else near & self.mask
-        return self._window_masks[sliding_window]
+    mask_cache: dict = attrs.Factory(dict)
 
 
 def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -59,10 +44,12 @@ def _paged_attention_forward(module, query, key, value, attention_mask, scaling=
         specdec.probe.append((layer, k_new.shape[1], k_new.shape[2], v_new.shape[2]))
         return query.new_zeros(1, query.shape[2], query.shape[1], v_new.shape[2]), None
     keys, values = specdec.cache.keys[layer], specdec.cache.values[layer]
-    keys.index_copy_(0, specdec.slot_mapping, k_new.to(keys.dtype))
-    values.index_copy_(0, specdec.slot_mapping, v_new.to(values.dtype))
-    out = paged_attention(query[0], keys, values, specdec.context_slots, specdec.mask_for(sliding_window),
-                          scaling if scaling is not None else query.shape[-1] ** -0.5, softcap)
+    slots = specdec.layout.slot_mapping
+    keys.index_copy_(0, slots, k_new.to(keys.dtype))
+    values.index_copy_(0, slots, v_new.to(values.dtype))
+    out = paged_attention(query[0], keys, values, specdec.layout,
+                          scaling if scaling is not None else query.shape[-1] ** -0.5,
+                          sliding_window, softcap, specdec.mask_cache)
     return out.unsqueeze(0), None
 
 
@@ -160,7 +147,8 @@ class TargetModel:
                 logits_rows: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """One packed forward. Returns float32 logits of ``logits_rows`` and captured hidden states.
 
-        ``input_ids`` and ``positions`` are ``[T]``; every token's K/V lands in its slot.
+        ``input_ids`` and ``positions`` are ``[T]``; every token's K/V lands in its slot
+        (``meta.layout``).
         """
         self._captured = {}
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,

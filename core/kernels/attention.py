@@ -1,32 +1,34 @@
-"""Attention of a step's new tokens over their sequences' paged K/V."""
+"""Attention of a step's new tokens over their sequences' paged K/V (torch reference)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .layout import AttentionLayout
 
-def paged_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-                    context_slots: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                    softcap: float | None = None) -> torch.Tensor:
+
+def paged_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                          layout: AttentionLayout, scale: float, sliding_window: int | None = None,
+                          softcap: float | None = None, mask_cache: dict | None = None) -> torch.Tensor:
     """Attention for a packed batch of new tokens.
 
     Args:
         query: ``[heads, T, dim]`` the new tokens of every sequence, packed.
         key_pool, value_pool: ``[slots, kv_heads, dim]`` one layer's cache (the new tokens
             already written).
-        context_slots: ``[S]`` the slots of every sequence's context, packed in the same
-            sequence order as the queries.
-        mask: ``[T, S]`` bool, True where a query may attend a key (block-diagonal across
-            sequences, causal or tree-shaped within one); None: every query sees every key.
-        scale: softmax scale.
-        softcap: tanh soft-capping of the scores (Gemma 2), or None.
+        layout: where each sequence's keys are and which of them each query sees.
+        scale: softmax scale. sliding_window: keys further back are hidden (Mistral,
+            Gemma). softcap: tanh soft-capping of the scores (Gemma 2).
+        mask_cache: a dict shared by the step's layers, to build each window mask once.
 
     Returns:
         ``[T, heads, value_dim]``.
     """
-    k = key_pool.index_select(0, context_slots).transpose(0, 1)
-    v = value_pool.index_select(0, context_slots).transpose(0, 1)
+    k = key_pool.index_select(0, layout.context_slots).transpose(0, 1)
+    v = value_pool.index_select(0, layout.context_slots).transpose(0, 1)
+    mask = layout.window_mask(sliding_window, mask_cache if mask_cache is not None else {}) if sliding_window \
+        else layout.dense_mask
     heads, tokens = query.shape[0], query.shape[1]
     kv_heads = k.shape[0]
     rep = heads // kv_heads

@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from ..drafting import DraftProposal
+from ..kernels import chain_rejection, greedy_tree_verify
 
 
 @attrs.define
@@ -35,19 +36,43 @@ def children_of(parents: list[int]) -> dict[int, list[int]]:
     return kids
 
 
+def _pack(proposals: list[DraftProposal | None], device) -> tuple:
+    tokens, parents, row_start, node_start, num = [], [], [], [], []
+    rows = 0
+    for prop in proposals:
+        n = len(prop.token_ids) if prop is not None else 0
+        row_start.append(rows)
+        node_start.append(len(tokens))
+        num.append(n)
+        if n:
+            tokens += prop.token_ids
+            parents += prop.parents
+        rows += n + 1
+    as_tensor = lambda x: torch.tensor(x or [0], dtype=torch.int32, device=device)  # noqa: E731
+    return as_tensor(tokens), as_tensor(parents), as_tensor(row_start), as_tensor(node_start), as_tensor(num)
+
+
+def verify_greedy_batch(target_tokens: torch.Tensor, proposals: list[DraftProposal | None]) -> list[Verdict]:
+    """Greedy verification of many requests at once (one kernel on CUDA).
+
+    ``target_tokens``: the argmax of every row, packed request after request (root row,
+    then one row per draft node).
+    """
+    max_nodes = max((len(p.token_ids) for p in proposals if p is not None), default=1)
+    max_depth = max((max(p.depths()) for p in proposals if p is not None and p.token_ids), default=0)
+    path, accepted, bonus = greedy_tree_verify(target_tokens, *_pack(proposals, target_tokens.device),
+                                               max_nodes, max_depth)
+    path, accepted, bonus = path.tolist(), accepted.tolist(), bonus.tolist()
+    verdicts = []
+    for b, prop in enumerate(proposals):
+        nodes = path[b][:accepted[b]]
+        verdicts.append(Verdict(nodes, [prop.token_ids[n] for n in nodes] + [bonus[b]]))
+    return verdicts
+
+
 def verify_greedy(target_tokens: list[int], proposal: DraftProposal | None) -> Verdict:
     """``target_tokens[r]``: the argmax of row ``r``."""
-    if proposal is None or not proposal.token_ids:
-        return Verdict([], [target_tokens[0]])
-    kids = children_of(proposal.parents)
-    draft = proposal.token_ids
-    node, accepted = -1, []
-    while True:
-        want = target_tokens[node + 1]
-        node = next((k for k in kids[node] if draft[k] == want), None)
-        if node is None:
-            return Verdict(accepted, [draft[n] for n in accepted] + [want])
-        accepted.append(node)
+    return verify_greedy_batch(torch.tensor(target_tokens), [proposal])[0]
 
 
 def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -65,6 +90,8 @@ def verify_sampled(target_probs: torch.Tensor, proposal: DraftProposal | None,
     """Recursive rejection sampling over a chain or tree; output follows ``target_probs``."""
     if proposal is None or not proposal.token_ids:
         return Verdict([], [_sample(target_probs[0], generator)])
+    if proposal.is_chain:
+        return _verify_chain(target_probs, proposal, generator)
     kids = children_of(proposal.parents)
     draft = proposal.token_ids
     one_hot = proposal.sibling_sampling == "deterministic" or proposal.draft_probs is None
@@ -97,3 +124,21 @@ def verify_sampled(target_probs: torch.Tensor, proposal: DraftProposal | None,
         accepted.append(chosen)
         node = chosen
     return Verdict(accepted, [draft[n] for n in accepted] + [_sample(target_probs[node + 1], generator)])
+
+
+def _verify_chain(target_probs: torch.Tensor, proposal: DraftProposal, generator) -> Verdict:
+    """A chain is the batched kernel's case (the Triton kernel on CUDA, its reference here)."""
+    n = len(proposal.token_ids)
+    device = target_probs.device
+    one_hot = proposal.sibling_sampling == "deterministic" or proposal.draft_probs is None
+    q = target_probs[1:] if one_hot else proposal.draft_probs.float()  # q unused when one-hot
+    u_accept = torch.rand(n, generator=generator, device=device)
+    u_sample = torch.rand(1, generator=generator, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    accepted, token = chain_rejection(target_probs.float().contiguous(), q.contiguous(),
+                                      torch.tensor(proposal.token_ids, dtype=torch.int32, device=device),
+                                      u_accept, u_sample, zero, zero,
+                                      torch.tensor([n], dtype=torch.int32, device=device),
+                                      torch.tensor([int(one_hot)], dtype=torch.int32, device=device), n)
+    a = int(accepted[0])
+    return Verdict(list(range(a)), proposal.token_ids[:a] + [int(token[0])])

@@ -11,6 +11,7 @@ import attrs
 
 from specdec import DecodingType, hookimpl
 from specdec.config import SpeculativeConfig, in_range
+from specdec.sampler.lossy import TypicalAcceptance
 
 
 @attrs.frozen(kw_only=True)
@@ -21,6 +22,11 @@ class MedusaConfig(SpeculativeConfig):
     use_typical_acceptance: bool = False
     posterior_threshold: float = attrs.field(default=0.09, validator=in_range(0.0, 1.0))
     posterior_alpha: float = attrs.field(default=0.3, validator=in_range(0.0, 1.0))
+
+    def acceptance_rule(self):
+        """Typical acceptance when switched on: faster, but NOT lossless."""
+        return TypicalAcceptance(self.posterior_threshold, self.posterior_alpha) if self.use_typical_acceptance \
+            else None
 
 
 @hookimpl

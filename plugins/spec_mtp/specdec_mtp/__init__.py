@@ -11,6 +11,7 @@ import attrs
 
 from specdec import DecodingType, hookimpl
 from specdec.config import SpeculativeConfig, in_range
+from specdec.sampler.lossy import RelaxedAcceptance
 
 
 @attrs.frozen(kw_only=True)
@@ -21,6 +22,13 @@ class MTPConfig(SpeculativeConfig):
     relaxed_delta: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
     begin_thinking_phase_token: int | None = None
     end_thinking_phase_token: int | None = None
+
+    def acceptance_rule(self):
+        """Relaxed acceptance in thinking phases when switched on: NOT lossless there."""
+        if not self.use_relaxed_acceptance_for_thinking:
+            return None
+        return RelaxedAcceptance(self.relaxed_topk, self.relaxed_delta, self.begin_thinking_phase_token,
+                                 self.end_thinking_phase_token)
 
 
 @hookimpl

@@ -1,0 +1,117 @@
+"""Where one packed step's sequences keep their K/V, and which keys each query sees.
+
+Built once per step by the engine and shared by every layer. The torch reference reads
+it as packed context slots and a dense ``[T, S]`` mask; the Triton kernel reads block
+tables, per-sequence starts and the tree masks directly. Both are derived lazily, once.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import attrs
+import torch
+
+
+@attrs.define
+class SequenceSlice:
+    """One sequence's share of a step.
+
+    ``start`` tokens are committed in the cache before this step; the ``len(positions)``
+    new tokens go to cache indices ``start ..``. ``tree_mask[i, j]``: new token ``i`` sees
+    new token ``j`` (None: causal).
+    """
+
+    block_table: list[int]
+    start: int
+    positions: torch.Tensor  # long [n]
+    tree_mask: torch.Tensor | None = None
+
+
+class AttentionLayout:
+    def __init__(self, seqs: list[SequenceSlice], block_size: int, device: torch.device):
+        self.seqs = seqs
+        self.block_size = block_size
+        self.device = device
+        self.num_tokens = sum(len(s.positions) for s in seqs)
+
+    def _slots(self, seq: SequenceSlice, first: int, count: int) -> list[int]:
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] * bs + p % bs for p in range(first, first + count)]
+
+    @cached_property
+    def slot_mapping(self) -> torch.Tensor:
+        """``[T]`` the cache slot each new token's K/V is written to."""
+        slots: list[int] = []
+        for s in self.seqs:
+            slots += self._slots(s, s.start, len(s.positions))
+        return torch.tensor(slots, device=self.device)
+
+    @cached_property
+    def query_positions(self) -> torch.Tensor:
+        return torch.cat([s.positions for s in self.seqs]).to(self.device)
+
+    def _tree(self, s: SequenceSlice) -> torch.Tensor:
+        n = len(s.positions)
+        return s.tree_mask if s.tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril_()
+
+    # -- the torch reference's view --------------------------------------------------
+
+    @cached_property
+    def context_slots(self) -> torch.Tensor:
+        """``[S]`` every sequence's committed and new slots, packed in sequence order."""
+        slots: list[int] = []
+        for s in self.seqs:
+            slots += self._slots(s, 0, s.start + len(s.positions))
+        return torch.tensor(slots, device=self.device)
+
+    @cached_property
+    def key_positions(self) -> torch.Tensor:
+        return torch.cat([torch.cat([torch.arange(s.start), s.positions]) for s in self.seqs]).to(self.device)
+
+    @cached_property
+    def dense_mask(self) -> torch.Tensor | None:
+        """``[T, S]``: block-diagonal across sequences; None when one query sees everything."""
+        if len(self.seqs) == 1 and len(self.seqs[0].positions) == 1:
+            return None
+        total_k = sum(s.start + len(s.positions) for s in self.seqs)
+        mask = torch.zeros(self.num_tokens, total_k, dtype=torch.bool)
+        q0 = k0 = 0
+        for s in self.seqs:
+            n = len(s.positions)
+            mask[q0:q0 + n, k0:k0 + s.start] = True
+            mask[q0:q0 + n, k0 + s.start:k0 + s.start + n] = self._tree(s)
+            q0 += n
+            k0 += s.start + n
+        return mask.to(self.device)
+
+    def window_mask(self, window: int, cache: dict) -> torch.Tensor:
+        if window not in cache:
+            near = (self.query_positions[:, None] - self.key_positions[None, :]) < window
+            cache[window] = near if self.dense_mask is None else near & self.dense_mask
+        return cache[window]
+
+    # -- the Triton kernel's view ----------------------------------------------------
+
+    @cached_property
+    def kernel_tensors(self) -> dict[str, torch.Tensor]:
+        """Block tables, per-token sequence index and new-token index, and padded tree masks."""
+        width = max(len(s.block_table) for s in self.seqs)
+        max_new = max(len(s.positions) for s in self.seqs)
+        tables = torch.zeros(len(self.seqs), width, dtype=torch.int32)
+        trees = torch.zeros(self.num_tokens, max_new, dtype=torch.int8)
+        seq_of, new_index, starts, num_new = [], [], [], []
+        row = 0
+        for i, s in enumerate(self.seqs):
+            n = len(s.positions)
+            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            trees[row:row + n, :n] = self._tree(s).to(torch.int8)
+            seq_of += [i] * n
+            new_index += list(range(n))
+            starts.append(s.start)
+            num_new.append(n)
+            row += n
+        to = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
+        return {"block_tables": tables.to(self.device), "tree_mask": trees.to(self.device),
+                "seq_of_token": to(seq_of), "new_index": to(new_index), "starts": to(starts),
+                "num_new": to(num_new), "max_new": max_new}

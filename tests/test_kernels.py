@@ -1,0 +1,152 @@
+"""Triton kernels against their torch references on random inputs (TRITON_INTERPRET=1 on CPU)."""
+
+import pytest
+import torch
+
+from specdec.kernels import AttentionLayout, SequenceSlice, chain_rejection_torch, greedy_tree_verify_torch
+from specdec.kernels.attention import paged_attention_torch
+from specdec.kernels.kv_copy import copy_kv_slots_torch
+from specdec.sampler import verify_greedy
+from specdec import DraftProposal
+from specdec.tree import ancestor_mask
+
+triton_kernels = pytest.importorskip("specdec.kernels.triton_kernels")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_layout(gen, block_size, num_blocks, shapes):
+    """shapes: (committed tokens, new tokens, tree?) per sequence."""
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs = []
+    for start, n, tree in shapes:
+        need = -(-(start + n) // block_size)
+        table = [free.pop() for _ in range(need)]
+        if tree:
+            parents = [-1] + [int(torch.randint(-1, i, (), generator=gen)) for i in range(n - 2)]
+            mask = ancestor_mask(parents)
+            depths = [0] + [1 if p < 0 else 0 for p in parents]
+            for i, p in enumerate(parents):
+                depths[i + 1] = 1 if p < 0 else depths[p + 1] + 1
+            positions = start + torch.tensor(depths)
+        else:
+            mask, positions = None, torch.arange(start, start + n)
+        seqs.append(SequenceSlice(block_table=table, start=start, positions=positions, tree_mask=mask))
+    return AttentionLayout(seqs, block_size, torch.device(DEVICE))
+
+
+CASES = [  # heads, kv_heads, dim, block size, sequences, window, softcap
+    (4, 4, 16, 4, [(7, 1, False)], None, None),
+    (4, 2, 16, 4, [(5, 3, False), (0, 6, False), (9, 1, False)], None, None),
+    (9, 3, 64, 16, [(33, 5, True), (17, 1, False)], None, None),
+    (8, 2, 24, 8, [(20, 6, True), (3, 4, True)], None, None),
+    (4, 1, 32, 4, [(30, 4, True), (12, 1, False)], 8, None),
+    (4, 2, 16, 4, [(11, 3, False), (6, 5, True)], None, 30.0),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_paged_attention_matches_reference(case):
+    heads, kv_heads, dim, bs, shapes, window, softcap = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    layout = random_layout(gen, bs, 64, shapes)
+    keys = torch.randn(64 * bs, kv_heads, dim, generator=gen).to(DEVICE)
+    values = torch.randn(64 * bs, kv_heads, dim, generator=gen).to(DEVICE)
+    query = torch.randn(heads, layout.num_tokens, dim, generator=gen).to(DEVICE)
+    want = paged_attention_torch(query, keys, values, layout, dim ** -0.5, window, softcap)
+    got = triton_kernels.paged_attention_triton(query, keys, values, layout, dim ** -0.5, window, softcap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_paged_attention_bfloat16_cache():
+    gen = torch.Generator().manual_seed(9)
+    layout = random_layout(gen, 8, 32, [(19, 4, True), (5, 1, False)])
+    keys = torch.randn(256, 2, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    values = torch.randn(256, 2, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    query = torch.randn(6, layout.num_tokens, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    want = paged_attention_torch(query.float(), keys.float(), values.float(), layout, 32 ** -0.5)
+    got = triton_kernels.paged_attention_triton(query, keys, values, layout, 32 ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("row", [(2, 16), (3, 64), (1, 24)])
+def test_copy_kv_slots_matches_reference_on_an_overlapping_path(row):
+    kv_heads, dim = row
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(40, kv_heads, dim, generator=gen).to(DEVICE)
+    values = torch.randn(40, kv_heads, dim, generator=gen).to(DEVICE)
+    # an accepted tree path in order: node slots move down onto consecutive slots
+    src = torch.tensor([13, 16, 21], device=DEVICE)
+    dst = torch.tensor([11, 13, 14], device=DEVICE)  # slot 13 is read before it is written
+    k_ref, v_ref = keys.clone(), values.clone()
+    copy_kv_slots_torch(k_ref, v_ref, src, dst)
+    triton_kernels.copy_kv_slots_triton(keys, values, src, dst)
+    assert torch.equal(keys, k_ref) and torch.equal(values, v_ref)
+
+
+def random_trees(gen, batch, vocab):
+    proposals, target = [], []
+    for _ in range(batch):
+        n = int(torch.randint(1, 9, (), generator=gen))
+        parents = [int(torch.randint(-1, i, (), generator=gen)) for i in range(n)]
+        tokens = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        rows = torch.randint(0, vocab, (n + 1,), generator=gen).tolist()
+        for i, p in enumerate(parents):  # make some paths match the target
+            if torch.rand((), generator=gen) < 0.6:
+                tokens[i] = rows[p + 1]
+        proposals.append(DraftProposal(token_ids=tokens, parents=parents))
+        target += rows
+    return proposals, target
+
+
+def packed(proposals):
+    node_start, row_start, n0, r0 = [], [], 0, 0
+    for p in proposals:
+        node_start.append(n0)
+        row_start.append(r0)
+        n0 += len(p.token_ids)
+        r0 += len(p.token_ids) + 1
+    t = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    return (t([x for p in proposals for x in p.token_ids]), t([x for p in proposals for x in p.parents]),
+            t(row_start), t(node_start), t([len(p.token_ids) for p in proposals]))
+
+
+def test_greedy_tree_verification_kernel_matches_reference_and_sampler():
+    gen = torch.Generator().manual_seed(3)
+    proposals, target = random_trees(gen, 12, 6)
+    args = packed(proposals)
+    max_depth = max(max(p.depths()) for p in proposals)
+    target_t = torch.tensor(target, dtype=torch.int64, device=DEVICE)
+    want = greedy_tree_verify_torch(target_t.cpu(), *[a.cpu() for a in args], 8, max_depth)
+    got = triton_kernels.greedy_tree_verify_triton(target_t, *args, 8, max_depth)
+    for w, g in zip(want, got):
+        assert torch.equal(w.cpu().to(torch.int64), g.cpu().to(torch.int64))
+    r = 0
+    for b, prop in enumerate(proposals):  # and both agree with the sampler's own greedy walk
+        verdict = verify_greedy(target[r:r + len(prop.token_ids) + 1], prop)
+        assert verdict.accepted_nodes == want[0][b, :want[1][b]].tolist()
+        assert verdict.tokens[-1] == int(want[2][b])
+        r += len(prop.token_ids) + 1
+
+
+@pytest.mark.parametrize("vocab", [7, 50, 1500])
+def test_chain_rejection_kernel_matches_reference(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    lengths = [3, 1, 5, 4, 2, 6]
+    batch = len(lengths)
+    logits = torch.randn(sum(lengths) + batch, vocab, generator=gen) * 3
+    p = torch.softmax(logits, -1)
+    parent_row = torch.cat([torch.arange(n) + sum(lengths[:b]) + b for b, n in enumerate(lengths)])
+    q = torch.softmax(logits[parent_row] + torch.randn(sum(lengths), vocab, generator=gen), -1)  # a close draft
+    tokens = torch.multinomial(q, 1, generator=gen).flatten().to(torch.int32)
+    u_accept = torch.rand(sum(lengths), generator=gen)
+    u_sample = torch.rand(batch, generator=gen)
+    node_start = torch.tensor([sum(lengths[:b]) for b in range(batch)], dtype=torch.int32)
+    row_start = node_start + torch.arange(batch, dtype=torch.int32)
+    num = torch.tensor(lengths, dtype=torch.int32)
+    one_hot = torch.tensor([0, 1, 0, 1, 0, 0], dtype=torch.int32)
+    args = (p, q, tokens, u_accept, u_sample, row_start, node_start, num, one_hot, max(lengths))
+    want = chain_rejection_torch(*args)
+    got = triton_kernels.chain_rejection_triton(*[a.to(DEVICE) if torch.is_tensor(a) else a for a in args])
+    assert torch.equal(want[0], got[0].cpu())
+    assert torch.equal(want[1], got[1].cpu())
+    assert (want[0] < num).any() and (want[0] > 0).any()  # both rejections and acceptances were exercised
