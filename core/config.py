@@ -102,8 +102,9 @@ class EngineConfig:
         max_batch_size: most requests decoded in one step.
         max_num_tokens: token budget of one target forward (prefill chunks included).
         block_size: tokens per KV cache block.
-        kv_cache_blocks: size of the KV pool in blocks; if unset, ``kv_cache_memory_mb`` decides.
-        kv_cache_memory_mb: size of the KV pool in MiB when ``kv_cache_blocks`` is unset.
+        kv_cache_blocks: size of the KV pool in blocks; takes precedence when set.
+        kv_cache_memory_fraction: else, this share of the device's free memory (after loading).
+        kv_cache_memory_mb: else, this many MiB.
         max_model_len: context length limit; defaults to the model's own.
         enable_prefix_caching: share KV blocks of identical prompt prefixes across requests.
         num_threads: torch CPU threads (None leaves torch's default).
@@ -114,6 +115,7 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=in_range(1, 1024))
     kv_cache_blocks: int | None = attrs.field(default=None, validator=in_range(1, None))
     kv_cache_memory_mb: int = attrs.field(default=1024, validator=in_range(1, None))
+    kv_cache_memory_fraction: float | None = attrs.field(default=None, validator=in_range(0.001, 0.95))
     max_model_len: int | None = attrs.field(default=None, validator=in_range(1, None))
     enable_prefix_caching: bool = True
     num_threads: int | None = attrs.field(default=None, validator=in_range(1, None))

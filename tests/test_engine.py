@@ -207,3 +207,32 @@ def test_engine_applies_an_opt_in_lossy_rule(tiny_models):
     assert b.metrics.num_accepted_tokens == b.metrics.num_draft_tokens  # every draft accepted
     assert a.metrics.num_accepted_tokens < a.metrics.num_draft_tokens
     assert a.token_ids != b.token_ids
+
+
+def test_kv_pool_sized_by_memory_fraction(tiny_models):
+    from specdec.executor.engine import free_memory_bytes
+
+    small = LLM(model=str(tiny_models["llama"]), dtype="float32", engine={"kv_cache_memory_fraction": 0.001})
+    per_block = small.engine.config.block_size * 2 * 2 * 2 * 16 * 4  # layers * (k+v) * kv_heads * dim * bytes
+    expected = int(free_memory_bytes(torch.device("cpu")) * 0.001 // per_block)
+    assert abs(small.engine.kv.pool.num_blocks - expected) <= max(2, expected // 20)
+
+
+def test_stream_yields_pieces_as_tokens_are_accepted(smol):
+    pieces = list(smol.stream(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0)))
+    assert len(pieces) > 3
+    assert "".join(pieces) == smol.last_output.text
+
+
+def test_model_without_tokenizer_takes_token_ids_only(tiny_models):
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32")
+    with pytest.raises(RequestError, match="no tokenizer: give prompts as lists of token ids"):
+        llm.generate("hello", GREEDY)
+
+
+def test_repetition_penalty_changes_greedy_output(smol):
+    prompt = "Repeat forever: la la la la la la"
+    plain = smol.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0))[0].token_ids
+    penalised = smol.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.5))[0]
+    assert penalised.token_ids != plain
+    assert len(set(penalised.token_ids)) > len(set(plain))

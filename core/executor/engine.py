@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable
 
@@ -34,6 +35,13 @@ from .request import Request, Status
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of the device the KV cache lives on (CUDA: the driver's; CPU: the OS's)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @attrs.define
@@ -69,9 +77,10 @@ class Engine:
         self.spec = spec
         self.hooks = hooks.hook if hooks is not None else None
         self.max_model_len = min(config.max_model_len or target.max_model_len, target.max_model_len)
-        num_blocks = config.kv_cache_blocks or max(
-            1, config.kv_cache_memory_mb * 2**20 // (config.block_size * PagedKVCache.bytes_per_token(
-                target.layer_shapes, target.dtype)))
+        block_bytes = config.block_size * PagedKVCache.bytes_per_token(target.layer_shapes, target.dtype)
+        budget = (free_memory_bytes(target.device) * config.kv_cache_memory_fraction
+                  if config.kv_cache_memory_fraction else config.kv_cache_memory_mb * 2**20)
+        num_blocks = config.kv_cache_blocks or max(1, int(budget // block_bytes))
         cache = PagedKVCache(target.layer_shapes, num_blocks, config.block_size, target.dtype, target.device)
         self.kv = KVCacheManager(cache, num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
