@@ -168,6 +168,13 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .server import serve
+
+    serve(_build_llm(_resolve_config(args)), host=args.host, port=args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding.")
     parser.add_argument("--verbose", "-v", action="store_true")
@@ -192,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="*")
     _add_model_options(p)
     p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    _add_model_options(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,159 @@
+"""`specdec serve`: a real server on a loopback port, driven over HTTP."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from specdec import SamplingParams
+
+PROMPTS = [f"Here is a list of {i + 2} fruits:\n1." for i in range(16)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("srv") / "cfg.yaml"
+    cfg.write_text("dtype: float32\nspeculative_config: {decoding_type: ngram, max_draft_len: 6}\n"
+                   "engine: {max_batch_size: 16}\nsampling: {temperature: 0, max_tokens: 24}\n")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-c", str(cfg), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+    else:
+        proc.kill()
+        raise RuntimeError("server did not start")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def metrics(base) -> dict:
+    out = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_models_and_health(server):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    data = httpx.get(f"{server}/v1/models").json()
+    assert data["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+def test_completion_equals_offline_generate(server, smol):
+    body = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0},
+                      timeout=120).json()
+    offline = smol.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    assert body["choices"][0]["text"] == offline.text
+    assert body["usage"]["completion_tokens"] == len(offline.token_ids)
+    spec = body["usage"]["speculative"]
+    assert spec["num_steps"] >= 1 and "acceptance_length" in spec and "per_position_acceptance" in spec
+
+
+def test_chat_completion_equals_offline_chat(server, smol):
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    body = httpx.post(f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": 20,
+                                                             "temperature": 0}, timeout=120).json()
+    offline = smol.chat(messages, SamplingParams(max_tokens=20, temperature=0.0))[0]
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": offline.text}
+
+
+def test_streaming_matches_non_streaming(server):
+    request = {"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0}
+    whole = httpx.post(f"{server}/v1/completions", json=request, timeout=120).json()["choices"][0]["text"]
+    pieces, done, final = [], False, None
+    with httpx.stream("POST", f"{server}/v1/completions", json={**request, "stream": True}, timeout=120) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunk = json.loads(line[6:])
+            pieces.append(chunk["choices"][0]["text"])
+            final = chunk
+    assert done and "".join(pieces) == whole and len([p for p in pieces if p]) > 1
+    assert final["choices"][0]["finish_reason"] in ("length", "stop") and "usage" in final
+
+
+def test_sixteen_concurrent_clients_share_the_batch_and_match_offline(server, smol):
+    def ask(prompt):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0},
+                       timeout=300)
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(ask, PROMPTS))
+    offline = smol.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
+    assert texts == [o.text for o in offline]
+
+
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server):
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code in (400, 422)
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "temperature": -1})
+    assert r.status_code == 422 and "temperature" in r.text
+    r = httpx.post(f"{server}/v1/completions", json={"max_tokens": 3})
+    assert r.status_code == 422 and "prompt" in r.text
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "word " * 9000, "max_tokens": 3}, timeout=60)
+    assert r.status_code == 400 and "context holds" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 422
+    ok = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_disconnect_cancels_and_frees_kv_blocks(server):
+    before = metrics(server)
+    with httpx.stream("POST", f"{server}/v1/completions",
+                      json={"prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "stream": True},
+                      timeout=120) as r:
+        for i, _line in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # leave mid-stream
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = metrics(server)
+        if m['specdec_requests_total{outcome="aborted"}'] > before['specdec_requests_total{outcome="aborted"}'] \
+                and m["specdec_kv_cache_usage"] == 0.0 and m["specdec_running_requests"] == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"request not cancelled: {m}")
+
+
+def test_metrics_report_speculation(server):
+    httpx.post(f"{server}/v1/completions", json={"prompt": "Repeat: a b c d e f. a b c d e f. a b c",
+                                                  "max_tokens": 20, "temperature": 0}, timeout=60)
+    m = metrics(server)
+    assert m['specdec_requests_total{outcome="ok"}'] >= 1
+    assert m["specdec_draft_tokens_total"] >= m["specdec_accepted_tokens_total"] > 0
+    assert m["specdec_acceptance_length"] > 1.0
+    assert 'specdec_per_position_acceptance{position="1"}' in m
+    assert "specdec_queue_depth" in m and "specdec_kv_cache_blocks" in m
