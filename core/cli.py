@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 import yaml
 
@@ -168,6 +169,26 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import plot, print_table, run_bench, write_json
+
+    try:
+        report = run_bench(_resolve_config(args), args.methods, args.dataset, args.categories, args.batch_size,
+                           args.temperature if args.temperature is not None else 0.0, args.max_tokens or 128,
+                           args.repetitions, args.hf, args.assistant_layers)
+    except (ValueError, OSError) as exc:
+        raise SpecdecError(str(exc)) from None
+    print(f"# {report['model']}, {report['dtype']} on {report['device']}, {report['threads']} threads, batch "
+          f"{report['batch_size']}, temperature {report['temperature']}, max {report['max_tokens']} tokens")
+    print_table(report)
+    if args.json:
+        write_json(report, args.json)
+    if args.plots:
+        for path in plot(report, Path(args.plots)):
+            print(f"# plot: {path}")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from .server import serve
 
@@ -199,6 +220,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="*")
     _add_model_options(p)
     p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("bench", help="compare methods side by side on a prompt set")
+    p.add_argument("methods", nargs="*", default=["ngram"],
+                   help="decoding types or YAML files (plain decoding always runs as the baseline)")
+    p.add_argument("--dataset", help="JSONL prompts ({prompt} or {messages}, optional category)")
+    p.add_argument("--categories", nargs="*", help="built-in categories to run (default: all)")
+    p.add_argument("--batch-size", type=int, default=1, help="requests submitted together")
+    p.add_argument("--repetitions", type=int, default=1)
+    p.add_argument("--hf", action="store_true", help="also run HF generate(): plain, prompt lookup, assistant")
+    p.add_argument("--assistant-layers", type=int, default=6)
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--plots", help="write PNG plots into this directory")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

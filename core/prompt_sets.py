@@ -43,6 +43,9 @@ PROMPTS: dict[str, list[str]] = {
     "qa_over_text": [f"Read the text and answer: who remained in lunar orbit, and in which module? Quote the "
                      f"sentence that says so.\n\n{APOLLO}"],
     "chat": ["Give me three tips for keeping houseplants alive."],
+    "math_reasoning": ["A train leaves at 9:40 and arrives at 13:05. How long is the journey? Think step by step."],
+    "translation": ["Translate into French: The Apollo program landed the first humans on the Moon. Neil Armstrong "
+                    "and Buzz Aldrin walked on the lunar surface while Michael Collins stayed in orbit."],
 }
 
 INPUT_GROUNDED = ("summarization", "code_editing", "qa_over_text")
@@ -50,3 +53,24 @@ INPUT_GROUNDED = ("summarization", "code_editing", "qa_over_text")
 
 def messages(category: str) -> list[list[dict]]:
     return [[{"role": "user", "content": text}] for text in PROMPTS[category]]
+
+
+def load_jsonl(path: str) -> dict[str, list[list[dict]]]:
+    """A user's prompt set: one JSON object a line, ``{"prompt": "..."}`` or
+    ``{"messages": [...]}``, with an optional ``"category"`` (default ``"custom"``)."""
+    import json
+
+    sets: dict[str, list[list[dict]]] = {}
+    with open(path) as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                conversation = item["messages"] if "messages" in item else [{"role": "user", "content": item["prompt"]}]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: expected {{\"prompt\": ...}} or {{\"messages\": [...]}} ({exc})")
+            sets.setdefault(item.get("category", "custom"), []).append(conversation)
+    if not sets:
+        raise ValueError(f"{path}: no prompts")
+    return sets
