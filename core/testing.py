@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+import attrs
 import torch
 
 from . import hookspecs
@@ -129,3 +130,57 @@ def check_greedy_lossless(options: dict, model: str | Path | None = None, prompt
         assert a.token_ids == b.token_ids, (f"prompt {i}: speculative greedy output differs from plain greedy output:"
                                             f"\nplain {a.token_ids}\nspec  {b.token_ids}")
     return spec
+
+
+def chi_square_p_value(counts: torch.Tensor, exact: torch.Tensor, n: int) -> float:
+    """p-value of observed ``counts`` against probabilities ``exact`` (cells expected < 5 pooled).
+
+    0 when a token with probability 0 was observed.
+    """
+    if counts[exact == 0].sum() > 0:
+        return 0.0
+    expected = exact * n
+    big = expected >= 5
+    stat = float((((counts - expected) ** 2)[big] / expected[big]).sum())
+    cells = int(big.sum())
+    small_expected = float(expected[~big & (exact > 0)].sum())
+    if small_expected > 0:
+        small_observed = float(counts[~big & (exact > 0)].sum())
+        stat += (small_observed - small_expected) ** 2 / small_expected
+        cells += 1
+    return float(torch.special.gammaincc(torch.tensor((cells - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int], n: int = 1500,
+                            params: SamplingParams | None = None, min_p_value: float = 1e-3):
+    """Sampled output follows the target's distribution with the drafter in the loop.
+
+    The second generated token is the first one verified against drafts; its empirical
+    distribution over ``n`` seeds is compared (chi-square) with the exact distribution,
+    summed over the first token, computed from the stock model. Returns the p-value and
+    the number of accepted draft tokens (a test should check drafts were accepted at all).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .api import LLM
+    from .sampler import probs_from_logits
+
+    params = params or SamplingParams(temperature=1.0, top_k=5)
+    params = attrs.evolve(params, max_tokens=3, ignore_eos=True)
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    vocab = ref.get_output_embeddings().weight.shape[0]
+    with torch.no_grad():
+        first = probs_from_logits(ref(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        exact = torch.zeros(vocab)
+        for token in torch.nonzero(first).flatten().tolist():
+            exact += first[token] * probs_from_logits(ref(torch.tensor([prompt + [token]])).logits[0, -1:], params)[0]
+    llm = LLM(model=str(model), dtype="float32", speculative_config=options)
+    counts, accepted = torch.zeros(vocab), 0
+    for seed in range(n):
+        out = llm.generate([prompt], attrs.evolve(params, seed=seed))[0]
+        counts[out.token_ids[1]] += 1
+        accepted += out.metrics.num_accepted_tokens
+    p_value = chi_square_p_value(counts, exact, n)
+    assert p_value > min_p_value, f"sampled output departs from the target distribution (p-value {p_value:.2e})"
+    return p_value, accepted

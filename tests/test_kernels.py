@@ -150,3 +150,25 @@ def test_chain_rejection_kernel_matches_reference(vocab):
     assert torch.equal(want[0], got[0].cpu())
     assert torch.equal(want[1], got[1].cpu())
     assert (want[0] < num).any() and (want[0] > 0).any()  # both rejections and acceptances were exercised
+
+
+def test_a_failing_kernel_falls_back_to_its_reference_once(monkeypatch, caplog):
+    import specdec.kernels as kernels
+
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("cannot compile for this GPU")
+
+    monkeypatch.setattr(kernels, "use_triton", lambda tensor, name="": name not in kernels._failed)
+    monkeypatch.setattr(kernels._triton(), "copy_kv_slots_triton", broken)
+    monkeypatch.setattr(kernels, "_failed", set())
+    keys, values = torch.zeros(4, 1, 2), torch.zeros(4, 1, 2)
+    keys[2] = 7
+    src, dst = torch.tensor([2]), torch.tensor([0])
+    with caplog.at_level("WARNING"):
+        kernels.copy_kv_slots(keys, values, src, dst)
+        kernels.copy_kv_slots(keys, values, src, dst)
+    assert keys[0].tolist() == [[7.0, 7.0]]
+    assert calls == [1] and "copy_kv_slots_triton failed" in caplog.text

@@ -146,6 +146,19 @@ def greedy_tree_verify_triton(target_tokens, tokens, parents, row_start, node_st
 
 
 @triton.jit
+def _residual_block(p_row, q_row, cols, vocab, flag, a, n, x_a):
+    """p and max(0, p - q) on a block of the vocabulary; q is one-hot at ``x_a`` when ``flag``,
+    and zero when no draft was rejected (``a == n``). Scalars are broadcast by adding them to
+    a zero vector: the interpreter wants vector masks."""
+    zero = cols * 0
+    rejected = (zero + a) < n
+    p = tl.load(p_row + cols, mask=cols < vocab, other=0.0)
+    q = tl.load(q_row + cols, mask=(cols < vocab) & (zero + flag == 0) & rejected, other=0.0)
+    q = tl.where((zero + flag != 0) & rejected & (cols == x_a), 1.0, q)
+    return p, tl.maximum(p - q, 0.0)
+
+
+@triton.jit
 def _chain_rejection_kernel(P, Q, tokens, u_accept, u_sample, row_start, node_start, num_draft, one_hot,
                             num_accepted, out_token, vocab, MAX_K: tl.constexpr, BLOCK_V: tl.constexpr):
     """Per request: accept draft k with min(1, p/q); at the first rejection sample from
@@ -167,30 +180,20 @@ def _chain_rejection_kernel(P, Q, tokens, u_accept, u_sample, row_start, node_st
     p_row = P + (r0 + a).to(tl.int64) * vocab
     q_row = Q + (n0 + a).to(tl.int64) * vocab
     x_a = tl.where(has_rejection, tl.load(tokens + n0 + tl.minimum(a, n - 1)), -1)
-    # (the interpreter wants vector masks: scalars are broadcast by adding them to `zero`)
     total = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
     for v0 in range(0, vocab, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        zero = cols * 0
-        rejected_here = (zero + a) < n
-        p = tl.load(p_row + cols, mask=cols < vocab, other=0.0)
-        q = tl.load(q_row + cols, mask=(cols < vocab) & (zero + flag == 0) & rejected_here, other=0.0)
-        q = tl.where((zero + flag != 0) & rejected_here & (cols == x_a), 1.0, q)
-        total += tl.sum(tl.maximum(p - q, 0.0), axis=0)
+        p, residual = _residual_block(p_row, q_row, cols, vocab, flag, a, n, x_a)
+        total += tl.sum(residual, axis=0)
     use_p = total <= 0.0  # p == q exactly: the residual is empty, fall back to p
     threshold = tl.load(u_sample + b) * tl.where(use_p, 1.0, total)
     running = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
     below = tl.sum(tl.zeros([BLOCK_V], tl.int32), axis=0)
     for v0 in range(0, vocab, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        zero = cols * 0
-        rejected_here = (zero + a) < n
-        p = tl.load(p_row + cols, mask=cols < vocab, other=0.0)
-        q = tl.load(q_row + cols, mask=(cols < vocab) & (zero + flag == 0) & rejected_here, other=0.0)
-        q = tl.where((zero + flag != 0) & rejected_here & (cols == x_a), 1.0, q)
-        r = tl.where((zero.to(tl.float32) + total) <= 0.0, p, tl.maximum(p - q, 0.0))
-        running_block = running + tl.cumsum(r, axis=0)
-        below += tl.sum(((running_block <= threshold) & (cols < vocab)).to(tl.int32), axis=0)
+        p, residual = _residual_block(p_row, q_row, cols, vocab, flag, a, n, x_a)
+        r = tl.where((cols * 0.0 + total) <= 0.0, p, residual)
+        below += tl.sum(((running + tl.cumsum(r, axis=0) <= threshold) & (cols < vocab)).to(tl.int32), axis=0)
         running += tl.sum(r, axis=0)
     tl.store(num_accepted + b, a)
     tl.store(out_token + b, tl.minimum(below, vocab - 1))

@@ -1,0 +1,75 @@
+"""spec_draft_target: lossless with a separate draft model and with a layer-skip self-draft."""
+
+import pytest
+
+from specdec import LLM, SamplingParams, testing
+from specdec.errors import ModelLoadError
+
+
+def with_tokenizer(directory, words):
+    """Give a tiny model directory a word-level tokenizer over ``words``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=words[0]).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dt")
+    return testing.tiny_model_dir(root, seed=0, vocab_size=32), testing.tiny_model_dir(root, seed=1, vocab_size=32)
+
+
+def test_conformance():
+    testing.check_registration("draft_target", distribution="specdec-plugin-draft-target")
+    testing.check_config_round_trip({"decoding_type": "draft_target", "max_draft_len": 3, "draft_layers": 2,
+                                     "draft_kv_cache_blocks": 64})
+
+
+def test_greedy_lossless_with_a_separate_draft_model(pair):
+    target, draft = pair
+    outs = testing.check_greedy_lossless({"decoding_type": "draft_target", "speculative_model": str(draft),
+                                          "max_draft_len": 3}, model=target,
+                                         prompts=[[1, 2, 3, 4] * 3, [5, 9, 11], list(range(20))])
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def test_greedy_lossless_with_layer_skip_on_the_embedded_model():
+    """An untrained first-N-layers draft of SmolLM2 is rarely accepted; the output must not change."""
+    prompts = [[{"role": "user", "content": "List the planets of the solar system, one per line."}]]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = LLM(dtype="float32").chat(prompts, params)
+    spec = LLM(dtype="float32", speculative_config={"decoding_type": "draft_target", "draft_layers": 20,
+                                                    "max_draft_len": 3})
+    got = spec.chat(prompts, params)
+    assert got[0].token_ids == plain[0].token_ids and len(got[0].token_ids) == 24
+    assert got[0].metrics.num_draft_tokens > 0
+    assert spec.drafter.runner.kv.pool.num_free == spec.drafter.runner.kv.pool.num_blocks  # released
+
+
+def test_mismatched_tokenizer_names_both_models(tmp_path):
+    target = with_tokenizer(testing.tiny_model_dir(tmp_path / "a", vocab_size=32), [f"w{i}" for i in range(32)])
+    draft = with_tokenizer(testing.tiny_model_dir(tmp_path / "b", vocab_size=32), [f"v{i}" for i in range(32)])
+    with pytest.raises(ModelLoadError) as info:
+        LLM(model=str(target), speculative_config={"decoding_type": "draft_target", "speculative_model": str(draft)})
+    assert str(draft) in str(info.value) and "different tokenizer" in str(info.value)
+    wide = testing.tiny_model_dir(tmp_path / "c", vocab_size=64)
+    with pytest.raises(ModelLoadError, match="64 output tokens, more than the target"):
+        LLM(model=str(testing.tiny_model_dir(tmp_path / "d", vocab_size=32)),
+            speculative_config={"decoding_type": "draft_target", "speculative_model": str(wide)})
+
+
+def test_draft_layers_must_be_fewer_than_the_target(pair):
+    with pytest.raises(ModelLoadError, match="not fewer than"):
+        LLM(model=str(pair[0]), speculative_config={"decoding_type": "draft_target", "draft_layers": 2})
+
+
+def test_sampling_follows_target_distribution_through_core_sampler(pair):
+    """The 2nd token is verified against drafts sampled with their probabilities."""
+    target, draft = pair
+    _, accepted = testing.check_sampling_lossless({"decoding_type": "draft_target", "speculative_model": str(draft),
+                                                   "max_draft_len": 2}, target, prompt=[3, 4, 5, 6, 7])
+    assert accepted > 0
