@@ -66,6 +66,11 @@ class DraftProposal:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
+    @property
+    def depth(self) -> int:
+        """Depth of the deepest node (0 for a proposal with aux tokens only)."""
+        return max(self.depths(), default=0)
+
     def depths(self) -> list[int]:
         """Depth of each node: 1 for children of the root."""
         d: list[int] = []

@@ -153,13 +153,14 @@ def chi_square_p_value(counts: torch.Tensor, exact: torch.Tensor, n: int) -> flo
 
 
 def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int], n: int = 1500,
-                            params: SamplingParams | None = None, min_p_value: float = 1e-3):
+                            params: SamplingParams | None = None, position: int = 1, min_p_value: float = 1e-3):
     """Sampled output follows the target's distribution with the drafter in the loop.
 
-    The second generated token is the first one verified against drafts; its empirical
-    distribution over ``n`` seeds is compared (chi-square) with the exact distribution,
-    summed over the first token, computed from the stock model. Returns the p-value and
-    the number of accepted draft tokens (a test should check drafts were accepted at all).
+    The empirical distribution of output token ``position`` (the second token, the first
+    one verified against drafts, by default) over ``n`` seeds is compared (chi-square) with
+    its exact distribution, computed from the stock model by summing over every earlier
+    output (keep ``top_k`` small). Returns the p-value and the number of accepted draft
+    tokens (a test should check drafts were accepted at all).
     """
     from transformers import AutoModelForCausalLM
 
@@ -167,19 +168,22 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     from .sampler import probs_from_logits
 
     params = params or SamplingParams(temperature=1.0, top_k=5)
-    params = attrs.evolve(params, max_tokens=3, ignore_eos=True)
+    params = attrs.evolve(params, max_tokens=position + 2, ignore_eos=True)
     ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    vocab = ref.get_output_embeddings().weight.shape[0]
-    with torch.no_grad():
-        first = probs_from_logits(ref(torch.tensor([prompt])).logits[0, -1:], params)[0]
-        exact = torch.zeros(vocab)
-        for token in torch.nonzero(first).flatten().tolist():
-            exact += first[token] * probs_from_logits(ref(torch.tensor([prompt + [token]])).logits[0, -1:], params)[0]
+
+    @torch.no_grad()
+    def marginal(prefix: list[int], steps: int) -> torch.Tensor:
+        probs = probs_from_logits(ref(torch.tensor([prefix])).logits[0, -1:], params)[0]
+        if steps == 0:
+            return probs
+        return sum(probs[t] * marginal(prefix + [t], steps - 1) for t in torch.nonzero(probs).flatten().tolist())
+
+    exact = marginal(list(prompt), position)
     llm = LLM(model=str(model), dtype="float32", speculative_config=options)
-    counts, accepted = torch.zeros(vocab), 0
+    counts, accepted = torch.zeros_like(exact), 0
     for seed in range(n):
         out = llm.generate([prompt], attrs.evolve(params, seed=seed))[0]
-        counts[out.token_ids[1]] += 1
+        counts[out.token_ids[position]] += 1
         accepted += out.metrics.num_accepted_tokens
     p_value = chi_square_p_value(counts, exact, n)
     assert p_value > min_p_value, f"sampled output departs from the target distribution (p-value {p_value:.2e})"

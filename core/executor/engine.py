@@ -200,13 +200,13 @@ class Engine:
 
     def _fit_proposal(self, req: Request, prop: DraftProposal | None, max_len: int) -> DraftProposal | None:
         """Trim a proposal to the allowed depth and to the KV room there is; None if empty."""
-        if prop is None or not prop.token_ids:
+        if prop is None or not (prop.token_ids or prop.aux_token_ids):
             return None
         if prop.is_chain and len(prop.token_ids) > max_len:
             prop = attrs.evolve(prop, token_ids=prop.token_ids[:max_len], parents=None,
                                 draft_probs=None if prop.draft_probs is None else prop.draft_probs[:max_len])
-        elif max(prop.depths()) > max_len:
-            log.warning("drafter proposed a tree of depth %d > draft length %d; dropped", max(prop.depths()), max_len)
+        elif prop.depth > max_len:
+            log.warning("drafter proposed a tree of depth %d > draft length %d; dropped", prop.depth, max_len)
             return None
         extra = len(prop.token_ids) + len(prop.aux_token_ids)
         if not self.kv.can_reserve(req, 1 + extra):
@@ -328,9 +328,9 @@ class Engine:
         return verify_sampled(probs, prop, req.generator)
 
     def _record(self, req: Request, prop: DraftProposal | None, accepted: int, emitted: int) -> None:
-        depth = max(prop.depths()) if prop is not None else 0
+        depth = prop.depth if prop is not None else 0
         req.metrics.record_step(depth, len(prop.token_ids) if prop is not None else 0, accepted, emitted)
-        if prop is None or self.spec is None or self.spec.min_acceptance_rate <= 0:
+        if depth == 0 or self.spec is None or self.spec.min_acceptance_rate <= 0:
             return
         req.recent_acceptance.append(accepted / depth)
         window = self.spec.acceptance_window

@@ -59,7 +59,7 @@ def verify_greedy_batch(target_tokens: torch.Tensor, proposals: list[DraftPropos
     then one row per draft node).
     """
     max_nodes = max((len(p.token_ids) for p in proposals if p is not None), default=1)
-    max_depth = max((max(p.depths()) for p in proposals if p is not None and p.token_ids), default=0)
+    max_depth = max((p.depth for p in proposals if p is not None), default=0)
     path, accepted, bonus = greedy_tree_verify(target_tokens, *_pack(proposals, target_tokens.device),
                                                max_nodes, max_depth)
     path, accepted, bonus = path.tolist(), accepted.tolist(), bonus.tolist()
