@@ -71,58 +71,47 @@ def method_config(base: SpecdecConfig, method: str) -> tuple[str, SpecdecConfig]
     return method, config_from_dict(data)
 
 
-def run_llm(llm: LLM, prompt_sets: dict, params: SamplingParams, batch_size: int, repetitions: int,
-            progress: Progress, label: str) -> dict[str, CategoryResult]:
-    results = {}
-    for category, conversations in prompt_sets.items():
-        res = results[category] = CategoryResult()
-        for _ in range(repetitions):
-            for i in range(0, len(conversations), batch_size):
-                batch = [llm.apply_chat_template(c) for c in conversations[i:i + batch_size]]
-                started = time.perf_counter()
-                outs = llm.generate(batch, params)
-                res.seconds += time.perf_counter() - started
-                for out in outs:
-                    m = out.metrics
-                    res.tokens += len(out.token_ids)
-                    res.metrics.merge(m)
-                    if m.time_to_first_token is not None:
-                        res.ttft.append(m.time_to_first_token)
-                    if len(out.token_ids) > 1 and m.finish_time and m.first_token_time:
-                        res.tpot.append((m.finish_time - m.first_token_time) / (len(out.token_ids) - 1))
-            progress.step(f"{label}: {category}")
-    return results
+def run_llm(llm: LLM, conversations: list, params: SamplingParams, batch_size: int, res: CategoryResult) -> None:
+    """One pass of a method over one category's prompts, added into ``res``."""
+    for i in range(0, len(conversations), batch_size):
+        batch = [llm.apply_chat_template(c) for c in conversations[i:i + batch_size]]
+        started = time.perf_counter()
+        outs = llm.generate(batch, params)
+        res.seconds += time.perf_counter() - started
+        for out in outs:
+            m = out.metrics
+            res.tokens += len(out.token_ids)
+            res.metrics.merge(m)
+            if m.time_to_first_token is not None:
+                res.ttft.append(m.time_to_first_token)
+            if len(out.token_ids) > 1 and m.finish_time and m.first_token_time:
+                res.tpot.append((m.finish_time - m.first_token_time) / (len(out.token_ids) - 1))
 
 
-def run_hf(llm: LLM, prompt_sets: dict, max_tokens: int, repetitions: int, progress: Progress,
-           assistant_layers: int) -> dict[str, dict[str, CategoryResult]]:
+def hf_systems(llm: LLM, max_tokens: int, assistant_layers: int) -> dict:
     """HF generate() on the same weights: plain, prompt lookup, layer-skip assistant (greedy, batch 1)."""
     from transformers import AutoModelForCausalLM
 
-    model, tok = llm.target.model, llm.tokenizer
-    # A separate copy with the stock attention: the specdec one runs only inside engine steps.
-    path = model.config._name_or_path
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=llm.target.dtype).to(llm.target.device).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(path, dtype=llm.target.dtype,
-                                                     num_hidden_layers=assistant_layers).to(llm.target.device).eval()
-    systems = {"HF generate": {}, "HF prompt lookup": {"prompt_lookup_num_tokens": 10},
-               f"HF assistant ({assistant_layers} layers)": {"assistant_model": assistant}}
-    results = {}
-    for name, extra in systems.items():
-        per_cat = results[name] = {}
-        for category, conversations in prompt_sets.items():
-            res = per_cat[category] = CategoryResult()
-            for _ in range(repetitions):
-                for conv in conversations:
-                    ids = torch.tensor([llm.apply_chat_template(conv)], device=llm.target.device)
-                    started = time.perf_counter()
-                    with torch.inference_mode():
-                        out = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False,
-                                          pad_token_id=tok.eos_token_id, **extra)
-                    res.seconds += time.perf_counter() - started
-                    res.tokens += out.shape[1] - ids.shape[1]
-            progress.step(f"{name}: {category}")
-    return results
+    # Separate copies with the stock attention: the specdec one runs only inside engine steps.
+    path, dtype, device = llm.target.model.config._name_or_path, llm.target.dtype, llm.target.device
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                     num_hidden_layers=assistant_layers).to(device).eval()
+
+    def system(**extra):
+        def run(conversations: list, res: CategoryResult) -> None:
+            for conv in conversations:
+                ids = torch.tensor([llm.apply_chat_template(conv)], device=device)
+                started = time.perf_counter()
+                with torch.inference_mode():
+                    out = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False,
+                                      pad_token_id=llm.tokenizer.eos_token_id, **extra)
+                res.seconds += time.perf_counter() - started
+                res.tokens += out.shape[1] - ids.shape[1]
+        return run
+
+    return {"HF generate": system(), "HF prompt lookup": system(prompt_lookup_num_tokens=10),
+            f"HF assistant ({assistant_layers} layers)": system(assistant_model=assistant)}
 
 
 def print_table(report: dict, file=sys.stdout) -> None:
@@ -201,19 +190,25 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
         prompt_sets = {c: prompt_sets[c] for c in categories}
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
     names = ["plain"] + [m for m in methods if m != "plain"]
-    configs = [method_config(base, m) for m in names]
-    progress = Progress(len(prompt_sets) * (len(configs) + (3 if compare_hf else 0)))
-    raw: dict[str, dict[str, CategoryResult]] = {}
-    first_llm = None
-    for label, cfg in configs:
-        llm = LLM(config=cfg)
-        first_llm = first_llm or llm
-        llm.generate([llm.apply_chat_template(messages("chat")[0])], SamplingParams(max_tokens=4, temperature=0.0))
-        raw[label] = _with_all(run_llm(llm, prompt_sets, params, batch_size, repetitions, progress, label))
-    if compare_hf:
-        for name, per_cat in run_hf(first_llm, prompt_sets, max_tokens, repetitions, progress,
-                                    assistant_layers).items():
-            raw[name] = _with_all(per_cat)
+    llms = {}
+    for label, cfg in (method_config(base, m) for m in names):
+        llms[label] = LLM(config=cfg)
+        llms[label].generate([llms[label].apply_chat_template(messages("chat")[0])],
+                             SamplingParams(max_tokens=4, temperature=0.0))
+    first_llm = llms["plain"]
+    systems = hf_systems(first_llm, max_tokens, assistant_layers) if compare_hf else {}
+    runners = {label: (lambda convs, res, llm=llm: run_llm(llm, convs, params, batch_size, res))
+               for label, llm in llms.items()}
+    runners.update(systems)
+    raw: dict[str, dict[str, CategoryResult]] = {name: {c: CategoryResult() for c in prompt_sets} for name in runners}
+    progress = Progress(repetitions * len(prompt_sets) * len(runners))
+    # Interleaved, category by category, so a machine that slows down mid-run biases no method.
+    for _ in range(repetitions):
+        for category, conversations in prompt_sets.items():
+            for name, run in runners.items():
+                run(conversations, raw[name][category])
+                progress.step(f"{name}: {category}")
+    raw = {name: _with_all(per_cat) for name, per_cat in raw.items()}
     results = {}
     for name, per_cat in raw.items():
         results[name] = {}
