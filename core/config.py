@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -335,11 +334,3 @@ def merge_overrides(cfg: SpecdecConfig, overrides: dict) -> SpecdecConfig:
             node = node[key]
         node[leaf] = value
     return config_from_dict(data)
-
-
-def field_type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is None:
-        return getattr(tp, "__name__", str(tp))
-    args = ", ".join(field_type_name(a) for a in typing.get_args(tp))
-    return f"{getattr(origin, '__name__', str(origin))}[{args}]"

@@ -54,36 +54,35 @@ class ChatRequest(_SamplingFields):
 
 
 class ServerMetrics:
-    """Counters behind /metrics."""
+    """Counters behind /metrics: requests by outcome and tokens here, speculation from the
+    engine's own totals (every finished request, aborted ones included)."""
 
     def __init__(self):
         self.requests = {"ok": 0, "error": 0, "aborted": 0}
-        self.totals = RequestMetrics()
         self.prompt_tokens = 0
         self.completion_tokens = 0
 
     def finish(self, metrics: RequestMetrics, completion_tokens: int, outcome: str) -> None:
         self.requests[outcome] += 1
-        self.totals.merge(metrics)
         self.prompt_tokens += metrics.num_prompt_tokens
         self.completion_tokens += completion_tokens
 
     def render(self, engine) -> str:
-        pool = engine.kv.pool
+        pool, totals = engine.kv.pool, engine.totals
         lines = [
             "# TYPE specdec_requests_total counter",
             *(f'specdec_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()),
             "# TYPE specdec_prompt_tokens_total counter", f"specdec_prompt_tokens_total {self.prompt_tokens}",
             "# TYPE specdec_generation_tokens_total counter",
             f"specdec_generation_tokens_total {self.completion_tokens}",
-            "# TYPE specdec_draft_tokens_total counter", f"specdec_draft_tokens_total {self.totals.num_draft_tokens}",
+            "# TYPE specdec_draft_tokens_total counter", f"specdec_draft_tokens_total {totals.num_draft_tokens}",
             "# TYPE specdec_accepted_tokens_total counter",
-            f"specdec_accepted_tokens_total {self.totals.num_accepted_tokens}",
-            "# TYPE specdec_target_steps_total counter", f"specdec_target_steps_total {self.totals.num_steps}",
-            "# TYPE specdec_acceptance_length gauge", f"specdec_acceptance_length {self.totals.acceptance_length:.6f}",
+            f"specdec_accepted_tokens_total {totals.num_accepted_tokens}",
+            "# TYPE specdec_target_steps_total counter", f"specdec_target_steps_total {totals.num_steps}",
+            "# TYPE specdec_acceptance_length gauge", f"specdec_acceptance_length {totals.acceptance_length:.6f}",
             "# TYPE specdec_per_position_acceptance gauge",
             *(f'specdec_per_position_acceptance{{position="{i + 1}"}} {r:.6f}'
-              for i, r in enumerate(self.totals.per_position_acceptance)),
+              for i, r in enumerate(totals.per_position_acceptance)),
             "# TYPE specdec_queue_depth gauge", f"specdec_queue_depth {len(engine.scheduler.waiting)}",
             "# TYPE specdec_running_requests gauge", f"specdec_running_requests {len(engine.scheduler.running)}",
             "# TYPE specdec_kv_cache_usage gauge", f"specdec_kv_cache_usage {pool.usage():.6f}",

@@ -53,12 +53,6 @@ class RequestMetrics:
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
-    @property
-    def decode_tokens_per_s(self) -> float:
-        if self.finish_time is None or self.first_token_time is None or self.finish_time <= self.first_token_time:
-            return 0.0
-        return self.num_decode_tokens / (self.finish_time - self.first_token_time)
-
     def merge(self, other: RequestMetrics) -> None:
         for name in ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_decode_tokens",
                      "num_prompt_tokens", "num_cached_prompt_tokens", "draft_time"):
