@@ -80,7 +80,8 @@ class SpeculativeConfig:
             if batch < 1:
                 raise FieldError(attribute.name, f"batch size keys must be >= 1, got {batch}")
             if not 0 <= length <= 64:
-                raise FieldError(attribute.name, f"draft lengths must be between 0 and 64, got {length} for batch size {batch}")
+                raise FieldError(attribute.name,
+                                 f"draft lengths must be between 0 and 64, got {length} for batch size {batch}")
 
     def acceptance_rule(self):
         """An opt-in lossy rule from :mod:`specdec.sampler.lossy`, or None for exact verification."""

@@ -69,7 +69,8 @@ def load_jsonl(path: str) -> dict[str, list[list[dict]]]:
                 item = json.loads(line)
                 conversation = item["messages"] if "messages" in item else [{"role": "user", "content": item["prompt"]}]
             except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: expected {{\"prompt\": ...}} or {{\"messages\": [...]}} ({exc})")
+                raise ValueError(
+                    f"{path}:{number}: expected {{\"prompt\": ...}} or {{\"messages\": [...]}} ({exc})") from None
             sets.setdefault(item.get("category", "custom"), []).append(conversation)
     if not sets:
         raise ValueError(f"{path}: no prompts")

@@ -91,7 +91,8 @@ def check_registration(name: str, distribution: str | None = None) -> DecodingTy
         for attr in dir(dtype.drafter_class):
             fn = getattr(dtype.drafter_class, attr, None)
             if getattr(fn, marker, None) is not None:
-                assert attr in known, f"{dtype.drafter_class.__name__}.{attr} is marked @hookimpl but no hook has that name"
+                assert attr in known, \
+                    f"{dtype.drafter_class.__name__}.{attr} is marked @hookimpl but no hook has that name"
                 spec_args = set(inspect.signature(getattr(hookspecs, attr)).parameters)
                 impl_args = set(inspect.signature(fn).parameters) - {"self"}
                 assert impl_args <= spec_args, f"{attr} takes {impl_args - spec_args}, which the hook does not pass"

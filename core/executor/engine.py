@@ -103,7 +103,8 @@ class Engine:
             raise RequestError("the prompt is empty; give at least one token")
         bad = [t for t in token_ids if not 0 <= t < self.target.vocab_size]
         if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{self.target.vocab_size - 1})")
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                               f"(0..{self.target.vocab_size - 1})")
         if len(token_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
                                "(prompt + at least one generated token); shorten the prompt or raise "

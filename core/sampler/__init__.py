@@ -3,4 +3,5 @@
 from .acceptance import Verdict, verify_greedy, verify_greedy_batch, verify_sampled
 from .logits import apply_repetition_penalty, probs_from_logits
 
-__all__ = ["Verdict", "apply_repetition_penalty", "probs_from_logits", "verify_greedy", "verify_greedy_batch", "verify_sampled"]
+__all__ = ["Verdict", "apply_repetition_penalty", "probs_from_logits", "verify_greedy", "verify_greedy_batch",
+           "verify_sampled"]

@@ -1,6 +1,5 @@
 """spec_lookahead: the window's attention pattern, greedy losslessness, sampling through the core sampler."""
 
-import torch
 
 from specdec import LLM, DraftProposal, SamplingParams, testing
 from specdec.config import config_from_dict

@@ -44,7 +44,8 @@ class NGramConfig(SpeculativeConfig):
     @min_matching_ngram_size.validator
     def _check_min(self, attribute, value):
         if value > self.max_matching_ngram_size:
-            raise FieldError(attribute.name, f"must be <= max_matching_ngram_size ({self.max_matching_ngram_size}), got {value}")
+            raise FieldError(attribute.name,
+                             f"must be <= max_matching_ngram_size ({self.max_matching_ngram_size}), got {value}")
 
 
 class NGramPool:
