@@ -144,7 +144,7 @@ class LLM:
         shown = ""
         while not req.finished:
             self.engine.step()
-            text = self._text(req)
+            text = self.output_text(req)
             if text.endswith("\ufffd") and not req.finished:
                 continue  # an incomplete UTF-8 sequence: wait for the next token
             if len(text) > len(shown) and text.startswith(shown):
@@ -152,13 +152,14 @@ class LLM:
                 shown = text
         self.last_output = self._output(prompt, req)
 
-    def _text(self, req) -> str:
+    def output_text(self, req) -> str:
+        """A request's text so far: cut before the stop string that ended it, if one did."""
         return req.stop_text if req.stop_text is not None else self.decode(req.output_token_ids)
 
     def _output(self, prompt, req) -> RequestOutput:
         if req.finish_reason == "error":
             raise RequestError(req.error or "the request failed")
-        text = self._text(req)
+        text = self.output_text(req)
         return RequestOutput(request_id=req.request_id, prompt=prompt if isinstance(prompt, str) else None,
                              prompt_token_ids=req.token_ids[:req.prompt_len], text=text,
                              token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,

@@ -141,9 +141,6 @@ def create_app(llm: LLM) -> FastAPI:
         updates = engine.generate(token_ids, params)
         first = await updates.__anext__()  # raises RequestError (-> 400) before any byte is sent
 
-        def text_of(req) -> str:
-            return req.stop_text if req.stop_text is not None else llm.decode(req.output_token_ids)
-
         def finish(req, outcome="ok"):
             stats.finish(req.metrics, req.num_output_tokens, outcome)
 
@@ -159,7 +156,7 @@ def create_app(llm: LLM) -> FastAPI:
                 finish(req, "error")
                 return JSONResponse(status_code=500, content={"error": {"message": update.error}})
             finish(req)
-            text = text_of(req)
+            text = llm.output_text(req)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
                       else {"index": 0, "text": text, "logprobs": None})
             choice["finish_reason"] = req.finish_reason
@@ -174,7 +171,7 @@ def create_app(llm: LLM) -> FastAPI:
                            None, chat)
             try:
                 while True:
-                    text = text_of(req)
+                    text = llm.output_text(req)
                     if len(text) > len(shown) and not text.endswith("\ufffd"):
                         yield _sse(rid, f"{kind}.chunk" if chat else kind, created, model_name,
                                    text[len(shown):], None, chat)

@@ -23,13 +23,12 @@ ATTENTION_NAME = "specdec_paged"
 
 @attrs.define
 class ForwardMetadata:
-    """What the attention layers need for one packed forward: the cache, the step's layout,
-    and a cache of sliding-window masks shared by the layers. ``probe`` collects K/V shapes."""
+    """What the attention layers need for one packed forward: the cache and the step's
+    layout. ``probe`` collects K/V shapes instead."""
 
     cache: PagedKVCache | None
     layout: AttentionLayout | None = None
     probe: list | None = None
-    mask_cache: dict = attrs.Factory(dict)
 
 
 def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -49,7 +48,7 @@ def _paged_attention_forward(module, query, key, value, attention_mask, scaling=
     values.index_copy_(0, slots, v_new.to(values.dtype))
     out = paged_attention(query[0], keys, values, specdec.layout,
                           scaling if scaling is not None else query.shape[-1] ** -0.5,
-                          sliding_window, softcap, specdec.mask_cache)
+                          sliding_window, softcap)
     return out.unsqueeze(0), None
 
 

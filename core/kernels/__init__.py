@@ -49,9 +49,8 @@ def _dispatch(name: str, tensor: torch.Tensor, reference, *args):
     return reference(*args)
 
 
-def paged_attention(query, key_pool, value_pool, layout: AttentionLayout, scale, sliding_window=None, softcap=None,
-                    mask_cache=None):
-    return _dispatch("paged_attention_triton", query, lambda *a: paged_attention_torch(*a, mask_cache),
+def paged_attention(query, key_pool, value_pool, layout: AttentionLayout, scale, sliding_window=None, softcap=None):
+    return _dispatch("paged_attention_triton", query, paged_attention_torch,
                      query, key_pool, value_pool, layout, scale, sliding_window, softcap)
 
 

@@ -10,7 +10,7 @@ from .layout import AttentionLayout
 
 def paged_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
                           layout: AttentionLayout, scale: float, sliding_window: int | None = None,
-                          softcap: float | None = None, mask_cache: dict | None = None) -> torch.Tensor:
+                          softcap: float | None = None) -> torch.Tensor:
     """Attention for a packed batch of new tokens.
 
     Args:
@@ -20,15 +20,13 @@ def paged_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_poo
         layout: where each sequence's keys are and which of them each query sees.
         scale: softmax scale. sliding_window: keys further back are hidden (Mistral,
             Gemma). softcap: tanh soft-capping of the scores (Gemma 2).
-        mask_cache: a dict shared by the step's layers, to build each window mask once.
 
     Returns:
         ``[T, heads, value_dim]``.
     """
     k = key_pool.index_select(0, layout.context_slots).transpose(0, 1)
     v = value_pool.index_select(0, layout.context_slots).transpose(0, 1)
-    mask = layout.window_mask(sliding_window, mask_cache if mask_cache is not None else {}) if sliding_window \
-        else layout.dense_mask
+    mask = layout.window_mask(sliding_window) if sliding_window else layout.dense_mask
     heads, tokens = query.shape[0], query.shape[1]
     kv_heads = k.shape[0]
     rep = heads // kv_heads

@@ -13,6 +13,11 @@ import attrs
 import torch
 
 
+def slot_ids(block_table: list[int], block_size: int, start: int, count: int) -> list[int]:
+    """Cache slots of positions ``start .. start + count`` of a sequence with this block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+
+
 @attrs.define
 class SequenceSlice:
     """One sequence's share of a step.
@@ -34,10 +39,10 @@ class AttentionLayout:
         self.block_size = block_size
         self.device = device
         self.num_tokens = sum(len(s.positions) for s in seqs)
+        self._window_masks: dict[int, torch.Tensor] = {}
 
     def _slots(self, seq: SequenceSlice, first: int, count: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(first, first + count)]
+        return slot_ids(seq.block_table, self.block_size, first, count)
 
     @cached_property
     def slot_mapping(self) -> torch.Tensor:
@@ -85,11 +90,12 @@ class AttentionLayout:
             k0 += s.start + n
         return mask.to(self.device)
 
-    def window_mask(self, window: int, cache: dict) -> torch.Tensor:
-        if window not in cache:
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The dense mask narrowed to keys less than ``window`` positions back (built once per step)."""
+        if window not in self._window_masks:
             near = (self.query_positions[:, None] - self.key_positions[None, :]) < window
-            cache[window] = near if self.dense_mask is None else near & self.dense_mask
-        return cache[window]
+            self._window_masks[window] = near if self.dense_mask is None else near & self.dense_mask
+        return self._window_masks[window]
 
     # -- the Triton kernel's view ----------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import KVCacheFullError
+from ..kernels.layout import slot_ids
 from .block_pool import BlockPool, NoFreeBlocks
 from .paged_cache import PagedKVCache
 
@@ -53,8 +54,7 @@ class KVCacheManager:
         return need <= self.pool.num_free
 
     def slots(self, seq, start: int, count: int) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+        return slot_ids(seq.block_table, self.block_size, start, count)
 
     def commit(self, seq, num_computed: int) -> None:
         """Set the committed length; free blocks past it (rollback) and hash newly full blocks."""
