@@ -1,4 +1,4 @@
-"""The ``specdec`` command line: plugins, config check, generate, chat."""
+"""The ``specdec`` command line: plugins, config check, generate, chat, bench, train, serve."""
 
 from __future__ import annotations
 
@@ -96,6 +96,8 @@ def cmd_plugins(args) -> int:
     print(f"{'decoding_type':<14} {'aliases':<22} {'distribution':<30} {'version':<8} status")
     for r in rows:
         status = "ready" if r["implemented"] else "not implemented yet"
+        if r["trainable"]:
+            status += ", trains (specdec train)"
         if not r["lossless"]:
             status += " (lossy)"
         print(f"{r['name']:<14} {', '.join(r['aliases']):<22} {r['distribution']:<30} {r['version']:<8} {status}")
@@ -189,6 +191,42 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from .training import TrainOptions, train
+
+    options = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SpecdecError(f"--set {item!r}: expected NAME=VALUE")
+        options[key.strip()] = yaml.safe_load(value)
+    opts = TrainOptions(method=args.method, data=args.data, out=args.out, model=args.model, device=args.device,
+                        seed=args.seed, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
+                        max_seq_len=args.max_seq_len, lr=args.lr, save_every=args.save_every,
+                        max_new_tokens=args.max_new_tokens, gen_dtype=args.gen_dtype,
+                        eval_prompts=args.eval_prompts, max_samples=args.max_samples, resume=args.resume,
+                        trainer_options=options)
+    try:
+        report = train(opts)
+    except (ValueError, OSError) as exc:
+        raise SpecdecError(str(exc)) from None
+    ev = report.get("eval")
+    print(f"# {report['method']} for {report['target']}: {report['steps']} steps on {report['samples']} samples "
+          f"({report['answer_tokens']} answer tokens), final loss {report['final_loss']:.3f}; saved in {args.out}")
+    if ev:
+        print(f"# held-out prompts: {ev['prompts']}, acceptance length {ev['acceptance_length']:.2f}")
+    return 0
+
+
+def _trainable_methods() -> str:
+    try:
+        types = get_registry().types.values()
+    except Exception:  # listing is best effort; `train` itself reports a broken plugin
+        return ""
+    names = ", ".join(sorted(t.name for t in types if t.trainer_class is not None)) or "none installed"
+    return f"methods installed that train: {names}"
+
+
 def cmd_serve(args) -> int:
     from .server import serve
 
@@ -233,6 +271,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", help="write PNG plots into this directory")
     _add_model_options(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("train", help="train a drafter for a target (self-distillation)",
+                       description="The target answers the prompts of --data; the method's drafter learns from "
+                                   "its answers and is saved in --out, ready for speculative_model: OUT.",
+                       epilog=_trainable_methods())
+    p.add_argument("method", help="decoding type to train")
+    p.add_argument("--data", required=True, help="JSONL: {prompt}, {messages} or {text} per line")
+    p.add_argument("--out", required=True, help="run directory: samples, checkpoint, the trained drafter")
+    p.add_argument("--model", "-m", help="target model (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="length of the target's answers")
+    p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="dtype the target answers in (the dtype you will serve in)")
+    p.add_argument("--eval-prompts", type=int, default=16,
+                   help="prompts held out for the final evaluation (the file's last ones)")
+    p.add_argument("--max-samples", type=int, help="train on the first N items only")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a trainer option, e.g. --set draft_layers=2")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1")

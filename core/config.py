@@ -58,8 +58,13 @@ class SpeculativeConfig:
     Attributes:
         decoding_type: the registered name of the method (``ngram``, ``eagle3``...).
         max_draft_len: the most draft tokens proposed per request and step (tree: depth).
+        max_total_draft_tokens: the most tree nodes per request and step (TensorRT-LLM's
+            name); ``None``: chains, as many nodes as ``max_draft_len``. The scheduler
+            charges these nodes against ``engine.max_num_tokens``; a larger proposal is
+            trimmed to its first nodes, with a warning.
         draft_len_schedule: batch size -> draft length. For ``B`` running requests the
-            entry with the largest key ``<= B`` applies; ``0`` turns speculation off.
+            entry with the largest key ``<= B`` applies; ``0`` turns speculation off. A
+            tree's node budget shrinks in proportion to its depth.
         min_acceptance_rate: a request whose acceptance rate over the last
             ``acceptance_window`` speculative steps stays below this stops speculating
             for ``retry_after`` steps, then tries again. ``0`` disables the switch.
@@ -67,6 +72,7 @@ class SpeculativeConfig:
 
     decoding_type: str
     max_draft_len: int = attrs.field(default=4, validator=in_range(1, 64))
+    max_total_draft_tokens: int | None = attrs.field(default=None, validator=in_range(1, 1024))
     draft_len_schedule: dict[int, int] | None = attrs.field(default=None)
     min_acceptance_rate: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
     acceptance_window: int = attrs.field(default=8, validator=in_range(1, None))
@@ -83,6 +89,12 @@ class SpeculativeConfig:
                 raise FieldError(attribute.name,
                                  f"draft lengths must be between 0 and 64, got {length} for batch size {batch}")
 
+    @max_total_draft_tokens.validator
+    def _check_total(self, attribute, value):
+        if value is not None and value < self.max_draft_len:
+            raise FieldError(attribute.name, f"{value} nodes cannot hold a path of max_draft_len "
+                                             f"{self.max_draft_len}; give at least {self.max_draft_len}")
+
     def acceptance_rule(self):
         """An opt-in lossy rule from :mod:`specdec.sampler.lossy`, or None for exact verification."""
         return None
@@ -92,6 +104,12 @@ class SpeculativeConfig:
             return self.max_draft_len
         keys = [k for k in self.draft_len_schedule if k <= batch_size]
         return min(self.draft_len_schedule[max(keys)], self.max_draft_len) if keys else self.max_draft_len
+
+    def draft_shape_for_batch(self, batch_size: int) -> tuple[int, int]:
+        """(depth, nodes) a request may draft with ``batch_size`` requests running."""
+        depth = self.draft_len_for_batch(batch_size)
+        total = self.max_total_draft_tokens or self.max_draft_len
+        return depth, (max(depth, total * depth // self.max_draft_len) if depth else 0)
 
 
 @attrs.frozen(kw_only=True)
@@ -198,6 +216,11 @@ def _structure_speculative(value, _type) -> SpeculativeConfig:
                           f"one of: {', '.join(get_registry().names())}")
     entry = get_registry().resolve(value["decoding_type"])
     data = dict(value, decoding_type=entry.name)
+    if "speculative_model_dir" in data and "speculative_model" in _fields_of(entry.config_class):
+        if "speculative_model" in data:
+            raise ConfigError("speculative_config: give speculative_model or its alias speculative_model_dir, "
+                              "not both")
+        data["speculative_model"] = data.pop("speculative_model_dir")
     try:
         return converter.structure(data, entry.config_class)
     except ConfigError:

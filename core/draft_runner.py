@@ -1,77 +1,217 @@
-"""A draft model with its own paged KV cache, for drafters that run a causal LM.
+"""The draft side's runner: any draft module, batched over requests, over its own paged KV cache.
 
-Each request gets a draft sequence: the tokens the draft model has seen and how many of
-them are in its cache. Before drafting, a sequence catches up on what the target
-accepted since; after verification it rolls back to the longest prefix the target kept.
-Built from the same pieces as the target's engine (TargetModel, KVCacheManager,
-AttentionLayout), so any architecture the engine runs can draft.
+A *draft module* is whatever a method drafts with: a small causal LM (draft_target), one
+decoder layer over fused target features (EAGLE), an MTP block. The runner gives it what
+the target has: a paged KV cache with rollback, packed forwards of many requests at once
+(one forward per draft depth for the whole batch), positions and tree masks per request,
+and outputs for every row the caller asks for.
+
+Two ways to keep a draft cache in step with a request:
+
+* chains, committed as they are drafted: :meth:`DraftRunner.sync` points the sequence at
+  the request's tokens and keeps the longest common prefix, rolling back the rest;
+* trees, expanded level by level: each level's tokens are *pending* (in the cache, seen
+  only by their descendants through the mask the caller gives); after verification
+  :meth:`DraftRunner.keep_path` moves the accepted path's K/V into place, the same
+  compaction the target's cache does, and drops the rest.
+
+The module is called as ``forward(input_ids [T], positions [T], meta, **features)`` and
+returns hidden states ``[T, H]``; ``features`` are per-token tensors ``[T, F]`` packed
+across requests (EAGLE's fused target states, say). Its attention layers must use
+specdec's attention (``ATTENTION_NAME``), which reads ``meta``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 
-from .executor.model_runner import ForwardMetadata, TargetModel
+from .executor.model_runner import ATTENTION_NAME, ForwardMetadata, probe_kv_shapes
 from .kernels import AttentionLayout, SequenceSlice
 from .kvcache import KVCacheManager, NoFreeBlocks, PagedKVCache
+
+DraftForward = Callable[..., torch.Tensor]
 
 
 @attrs.define(eq=False)
 class DraftSequence:
-    token_ids: list[int] = attrs.Factory(list)  # what the draft cache holds, then the pending tokens
+    """One request's draft cache: ``num_computed`` committed tokens of ``token_ids``, then
+    ``len(pending_parents)`` pending tree nodes (parent indices among the pending, -1 for
+    a child of the last committed token), at ``pending_positions``."""
+
+    token_ids: list[int] = attrs.Factory(list)
     num_computed: int = 0
     block_table: list[int] = attrs.Factory(list)
+    pending_parents: list[int] = attrs.Factory(list)
+    pending_positions: list[int] = attrs.Factory(list)
 
 
-class DraftModelRunner:
-    def __init__(self, model: TargetModel, num_blocks: int, block_size: int = 16):
-        self.model = model
-        cache = PagedKVCache(model.layer_shapes, num_blocks, block_size, model.dtype, model.device)
+@attrs.define
+class DraftInput:
+    """One sequence's share of one draft forward.
+
+    Attributes:
+        seq: the sequence.
+        token_ids: the new tokens.
+        positions: their positions (default: right after the committed tokens, in order).
+        parents: ``None``: the tokens extend the sequence causally and are committed.
+            Otherwise they are new pending tree nodes: each one's parent is an index
+            into the sequence's pending nodes (old ones first, then these), ``-1`` for a
+            child of the last committed token; each sees only its ancestors.
+        features: name -> ``[n, F]`` per-token inputs handed to the module.
+        output_rows: which of the new tokens to return outputs for (default: the last).
+    """
+
+    seq: DraftSequence
+    token_ids: list[int]
+    positions: list[int] | None = None
+    parents: list[int] | None = None
+    features: dict[str, torch.Tensor] = attrs.Factory(dict)
+    output_rows: list[int] | None = None
+
+
+def _ancestors(parents: list[int], node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out
+
+
+class DraftRunner:
+    """Runs a draft module over its own paged KV cache, batched over requests."""
+
+    def __init__(self, forward: DraftForward, layer_shapes: list[tuple[int, int, int]], num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device):
+        self.module_forward = forward
+        self.device = device
+        cache = PagedKVCache(layer_shapes, num_blocks, block_size, dtype, device)
         self.kv = KVCacheManager(cache, num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[str, DraftSequence] = {}
 
+    @classmethod
+    def for_module(cls, forward: DraftForward, num_blocks: int, block_size: int, dtype: torch.dtype,
+                   device: torch.device, **features) -> DraftRunner:
+        """Probe the module's K/V shapes with a one-token forward (``features``: ``[1, F]``
+        examples of its per-token inputs) and build its runner."""
+        shapes = probe_kv_shapes(lambda meta: forward(torch.zeros(1, dtype=torch.long, device=device),
+                                                      torch.zeros(1, dtype=torch.long, device=device), meta,
+                                                      **features), type(forward).__name__)
+        return cls(forward, shapes, num_blocks, block_size, dtype, device)
+
+    def sequence(self, request_id: str) -> DraftSequence:
+        return self.seqs.setdefault(request_id, DraftSequence())
+
     def sync(self, request_id: str, token_ids: list[int]) -> DraftSequence:
-        """Point the draft sequence at the request's tokens, keeping the cached common prefix."""
-        seq = self.seqs.setdefault(request_id, DraftSequence())
+        """Point a chain-drafted sequence at the request's tokens, keeping the cached common prefix."""
+        seq = self.sequence(request_id)
+        self.drop_pending(seq)
         keep = 0
-        limit = min(seq.num_computed, len(token_ids))
+        limit = min(seq.num_computed, len(token_ids) - 1)  # the last token is always run: its output drafts
         while keep < limit and seq.token_ids[keep] == token_ids[keep]:
             keep += 1
         seq.token_ids = list(token_ids)
         self.kv.commit(seq, keep)
         return seq
 
-    def forward(self, seqs: list[DraftSequence]) -> torch.Tensor | None:
-        """Compute every pending token of each sequence; float32 logits of their last tokens.
+    def forward(self, inputs: list[DraftInput]) -> list[torch.Tensor] | None:
+        """One packed forward of every input's new tokens; per input, ``[rows, H]`` outputs.
 
-        Returns None (and frees the sequences' cache) when the pool has no room: drafting
-        is skipped for this step, the target is unaffected.
+        Returns None (and frees the sequences' caches) when the pool has no room: drafting
+        is skipped this step, the target is unaffected.
         """
         try:
-            for seq in seqs:
-                self.kv.reserve(seq, len(seq.token_ids) - seq.num_computed)
+            for inp in inputs:
+                seq = inp.seq
+                self.kv.reserve(seq, len(seq.pending_parents) + len(inp.token_ids))
         except NoFreeBlocks:
-            for seq in seqs:
-                self.kv.free(seq)
+            for inp in inputs:
+                self.kv.free(inp.seq)
+                inp.seq.pending_parents, inp.seq.pending_positions = [], []
             return None
-        device = self.model.device
         slices, tokens, rows = [], [], []
-        for seq in seqs:
-            new = seq.token_ids[seq.num_computed:]
-            slices.append(SequenceSlice(block_table=seq.block_table, start=seq.num_computed,
-                                        positions=torch.arange(seq.num_computed, len(seq.token_ids))))
-            tokens += new
-            rows.append(len(tokens) - 1)
-        layout = AttentionLayout(slices, self.kv.block_size, device)
-        logits, _ = self.model.forward(torch.tensor(tokens, device=device), layout.query_positions,
-                                       ForwardMetadata(cache=self.kv.cache, layout=layout),
-                                       torch.tensor(rows, device=device))
-        for seq in seqs:
-            self.kv.commit(seq, len(seq.token_ids))
-        return logits
+        features: dict[str, list[torch.Tensor]] = {}
+        for inp in inputs:
+            slices.append(self._slice(inp))
+            first = len(tokens)
+            tokens += inp.token_ids
+            rows.append([first + r for r in (inp.output_rows if inp.output_rows is not None
+                                              else [len(inp.token_ids) - 1])])
+            for name, value in inp.features.items():
+                features.setdefault(name, []).append(value)
+        layout = AttentionLayout(slices, self.kv.block_size, self.device)
+        hidden = self.module_forward(torch.tensor(tokens, device=self.device), layout.query_positions,
+                                     ForwardMetadata(cache=self.kv.cache, layout=layout),
+                                     **{k: torch.cat(v) for k, v in features.items()})
+        for inp, slc in zip(inputs, slices):
+            self._advance(inp, slc.positions.tolist())
+        return [hidden[torch.tensor(r, device=hidden.device)] for r in rows]
+
+    def _slice(self, inp: DraftInput) -> SequenceSlice:
+        seq = inp.seq
+        num_pending, n = len(seq.pending_parents), len(inp.token_ids)
+        start = seq.num_computed + num_pending
+        if inp.parents is None:
+            if num_pending:
+                raise ValueError("a sequence with pending tree nodes takes only tree inputs; call keep_path "
+                                 "or drop_pending first")
+            positions = inp.positions if inp.positions is not None else list(range(start, start + n))
+            return SequenceSlice(block_table=seq.block_table, start=start, positions=torch.tensor(positions))
+        parents = seq.pending_parents + list(inp.parents)
+        sees = torch.zeros(n, num_pending + n, dtype=torch.bool)
+        for i in range(n):
+            sees[i, _ancestors(parents, num_pending + i)] = True
+        if inp.positions is not None:
+            positions = inp.positions
+        else:
+            depth = [len(_ancestors(parents, num_pending + i)) for i in range(n)]
+            positions = [seq.num_computed - 1 + d for d in depth]
+        return SequenceSlice(block_table=seq.block_table, start=start, positions=torch.tensor(positions),
+                             tree_mask=sees[:, num_pending:],
+                             pending_mask=sees[:, :num_pending] if num_pending else None,
+                             pending_positions=torch.tensor(seq.pending_positions) if num_pending else None)
+
+    def _advance(self, inp: DraftInput, positions: list[int]) -> None:
+        seq = inp.seq
+        if inp.parents is None:
+            start = seq.num_computed
+            seq.token_ids[start:start + len(inp.token_ids)] = inp.token_ids
+            self.kv.commit(seq, start + len(inp.token_ids))
+        else:
+            seq.pending_parents += list(inp.parents)
+            seq.pending_positions += positions
+
+    def keep_path(self, seq: DraftSequence, path: list[int], token_ids: list[int]) -> None:
+        """Commit the pending nodes ``path`` (root-first indices) with their ``token_ids``;
+        drop the other pending nodes."""
+        first = seq.num_computed
+        src = self.kv.slots(seq, first, len(seq.pending_parents))
+        self.kv.move([src[node] for node in path], self.kv.slots(seq, first, len(path)), self.device)
+        del seq.token_ids[first:]
+        seq.token_ids += token_ids
+        seq.pending_parents, seq.pending_positions = [], []
+        self.kv.commit(seq, first + len(path))
+
+    def drop_pending(self, seq: DraftSequence) -> None:
+        seq.pending_parents, seq.pending_positions = [], []
+        self.kv.commit(seq, seq.num_computed)
 
     def release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.kv.free(seq)
+
+
+def causal_lm_forward(model) -> DraftForward:
+    """The draft-module forward of a transformers causal LM: its decoder and final norm
+    (the LM head is left to the caller, who may read a reduced vocabulary)."""
+    model.set_attn_implementation(ATTENTION_NAME)
+    base = getattr(model, model.base_model_prefix)
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        out = base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, specdec=meta)
+        return out.last_hidden_state[0]
+
+    return forward

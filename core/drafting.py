@@ -62,6 +62,13 @@ class DraftProposal:
         if len(self.aux_token_ids) != len(self.aux_position_offsets):
             raise ValueError("DraftProposal: aux_token_ids and aux_position_offsets differ in length")
 
+    def subset(self, keep: list[int]) -> DraftProposal:
+        """The proposal restricted to nodes ``keep`` (ascending, closed under ancestors)."""
+        where = {n: i for i, n in enumerate(keep)}
+        return attrs.evolve(self, token_ids=[self.token_ids[n] for n in keep],
+                            parents=[where[self.parents[n]] if self.parents[n] >= 0 else -1 for n in keep],
+                            draft_probs=None if self.draft_probs is None else self.draft_probs[keep])
+
     @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
@@ -73,10 +80,9 @@ class DraftProposal:
 
     def depths(self) -> list[int]:
         """Depth of each node: 1 for children of the root."""
-        d: list[int] = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return d
+        from .tree import node_depths
+
+        return node_depths(self.parents)
 
 
 @attrs.define
@@ -109,6 +115,10 @@ class StepResult:
             Only the layers drafters asked for through ``target_hidden_layers``.
         aux_logits: target logits ``[len(aux_token_ids), vocab]`` of the aux tokens.
         is_prefill: the step computed (part of) the prompt.
+        start: the position of the first token ``hidden_states`` covers (a prompt chunk's
+            first token, or the root). After a preemption the prompt and the accepted
+            output are computed again from 0, so a drafter keeping per-position state
+            rebuilds it from there.
     """
 
     request: Request
@@ -118,6 +128,7 @@ class StepResult:
     hidden_states: dict[int, torch.Tensor] = attrs.Factory(dict)
     aux_logits: torch.Tensor | None = None
     is_prefill: bool = False
+    start: int = 0
 
 
 class Drafter:

@@ -43,7 +43,9 @@ def register_decoding_types(register: Callable[[DecodingType], None]) -> None:
     module loaded from the ``specdec.plugins`` entry-point group.
 
     :param register: call it once per method with a :class:`specdec.plugins.DecodingType`
-        (name, config class, drafter class, aliases).
+        (name, config class, drafter class, aliases, and for ``specdec train`` a trainer
+        class: a :class:`specdec.training.MethodTrainer` subclass giving the method's
+        module, loss and save format).
     :return: nothing; results are ignored.
 
     Example::
@@ -78,7 +80,8 @@ def target_hidden_layers(target: TargetModel) -> list[int]:
 
 
 @hookspec(firstresult=True)
-def prepare_draft_tokens(requests: list[Request], draft_lens: list[int]) -> list[DraftProposal | None]:
+def prepare_draft_tokens(requests: list[Request], draft_lens: list[int],
+                         max_nodes: list[int]) -> list[DraftProposal | None]:
     """Propose draft tokens, a chain or a tree, for every request of this step.
 
     Called once per engine step for the requests that speculate this step (those still
@@ -90,6 +93,9 @@ def prepare_draft_tokens(requests: list[Request], draft_lens: list[int]) -> list
         ``request.generator`` the request's seeded ``torch.Generator`` for sampling drafts.
     :param draft_lens: the most draft tokens (tree: most depth) each request may get this
         step, after the draft-length schedule and the acceptance-based switch.
+    :param max_nodes: the most tree nodes each request may get this step
+        (``max_total_draft_tokens`` within the step's token budget; for chains it equals
+        ``draft_lens``). Nodes beyond it are trimmed, last nodes first: list the best first.
     :return: one :class:`~specdec.drafting.DraftProposal` per request, or ``None`` for a
         request with nothing to propose (it then decodes one token this step).
 

@@ -55,6 +55,9 @@ class DecodingType:
         drafter_class: ``drafter_class(config, target)`` builds the drafter; ``None``
             while the method is registered but not implemented yet.
         aliases: other spellings accepted (TensorRT-LLM's ``NGram``, ``Eagle3``...).
+        trainer_class: ``trainer_class(target, samples, options)`` trains the method's
+            drafter for ``specdec train`` (a :class:`specdec.training.MethodTrainer`);
+            ``None`` for methods with nothing to train.
         lossless: False for opt-in modes that change the output distribution.
         description: one line for ``specdec plugins``.
         plugin, distribution, version: filled in by the registry.
@@ -63,6 +66,7 @@ class DecodingType:
     name: str
     config_class: type[SpeculativeConfig]
     drafter_class: Callable | None = None
+    trainer_class: Callable | None = None
     aliases: tuple[str, ...] = ()
     lossless: bool = True
     description: str = ""
@@ -190,7 +194,8 @@ class PluginRegistry:
 
     def plugins_table(self) -> list[dict]:
         return [{"name": t.name, "aliases": list(t.aliases), "distribution": t.distribution, "version": t.version,
-                 "implemented": t.drafter_class is not None, "lossless": t.lossless,
+                 "implemented": t.drafter_class is not None, "trainable": t.trainer_class is not None,
+                 "lossless": t.lossless,
                  "hooks": t.hooks_implemented(), "description": t.description}
                 for t in sorted(self.types.values(), key=lambda t: t.name)]
 

@@ -1,7 +1,18 @@
-"""Draft trees: ancestor masks and positions, and the core's default ``build_tree_mask``."""
+"""Draft trees: ancestor masks and positions, the core's default ``build_tree_mask``, and the
+tree builders every tree-drafting method shares.
+
+* :class:`StaticTree`: a fixed tree from a TensorRT-LLM / Medusa choice list
+  (``medusa_choices``, ``eagle_choices``); its mask is built once and cached.
+* :class:`DynamicTree`: EAGLE-2's tree, grown by top-k expansion of the best frontier
+  nodes by cumulative log-probability, then reranked globally to a node budget.
+* :func:`prefix_trie`: candidate continuations (beams, n-grams) merged into one tree.
+"""
 
 from __future__ import annotations
 
+import functools
+
+import attrs
 import torch
 
 from .drafting import DraftProposal, TreeMask
@@ -22,6 +33,14 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
+def node_depths(parents: list[int]) -> list[int]:
+    """Depth of each node: 1 for children of the root."""
+    d: list[int] = []
+    for p in parents:
+        d.append(1 if p < 0 else d[p] + 1)
+    return d
+
+
 def default_tree_mask(proposal: DraftProposal) -> TreeMask:
     if proposal.aux_token_ids:
         raise ValueError("a proposal with aux tokens needs its drafter to implement build_tree_mask")
@@ -30,9 +49,15 @@ def default_tree_mask(proposal: DraftProposal) -> TreeMask:
         mask = torch.ones(n + 1, n + 1, dtype=torch.bool).tril_()
         offsets = torch.arange(n + 1)
     else:
-        mask = ancestor_mask(proposal.parents)
+        mask = _cached_mask(tuple(proposal.parents))
         offsets = torch.tensor([0, *proposal.depths()])
     return TreeMask(mask=mask, position_offsets=offsets)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_mask(parents: tuple[int, ...]) -> torch.Tensor:
+    """Static trees recur every step: their masks are built once (callers must not modify them)."""
+    return ancestor_mask(list(parents))
 
 
 class CoreTreeHooks:
@@ -41,3 +66,131 @@ class CoreTreeHooks:
     @hookimpl(trylast=True)
     def build_tree_mask(self, request, proposal: DraftProposal) -> TreeMask:
         return default_tree_mask(proposal)
+
+
+# -- static trees from choice lists -------------------------------------------------------
+
+
+@attrs.frozen
+class StaticTree:
+    """A fixed draft tree. Node ``i`` is reached from the root by ``paths[i]``: the rank of
+    the candidate taken at each depth (``(0, 1)``: the best token at depth 1, then the
+    second best below it). Nodes are ordered by depth, then by path, parents first.
+    """
+
+    paths: tuple[tuple[int, ...], ...]
+    parents: tuple[int, ...]
+
+    @classmethod
+    def from_choices(cls, choices) -> StaticTree:
+        """Build from a choice list in either of TensorRT-LLM's notations: every node listed
+        (``[[0], [0, 0], [1]]``), or only the unique root-to-leaf paths, prefixes implied
+        (``[[0, 0], [1]]``). A ValueError names a bad entry."""
+        nodes: set[tuple[int, ...]] = set()
+        for i, choice in enumerate(choices):
+            if not isinstance(choice, (list, tuple)) or not choice or not all(
+                    isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in choice):
+                raise ValueError(f"choice {i}: {choice!r} is not a non-empty list of ranks >= 0")
+            for d in range(1, len(choice) + 1):
+                nodes.add(tuple(choice[:d]))
+        if not nodes:
+            raise ValueError("the choice list is empty")
+        paths = tuple(sorted(nodes, key=lambda p: (len(p), p)))
+        index = {p: i for i, p in enumerate(paths)}
+        return cls(paths=paths, parents=tuple(index[p[:-1]] if len(p) > 1 else -1 for p in paths))
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def max_rank(self) -> int:
+        """The largest rank used: candidates needed per node (``top_k - 1``)."""
+        return max(max(p) for p in self.paths)
+
+    def level(self, depth: int) -> list[int]:
+        """Indices of the nodes at ``depth`` (1-based)."""
+        return [i for i, p in enumerate(self.paths) if len(p) == depth]
+
+    def mask(self) -> torch.Tensor:
+        return _cached_mask(self.parents)
+
+    def fill(self, ranked: list[list[int]]) -> list[int]:
+        """Tokens of every node, given for each node's *parent* (the root's entry first,
+        then one per node) its candidates best first: ``ranked[0]`` for depth-1 nodes,
+        ``ranked[1 + i]`` for the children of node ``i``."""
+        return [ranked[0 if parent < 0 else parent + 1][path[-1]] for path, parent in zip(self.paths, self.parents)]
+
+
+# -- EAGLE-2 dynamic trees ------------------------------------------------------------------
+
+
+class DynamicTree:
+    """A tree grown by expanding the ``top_k`` best frontier nodes, each into its ``top_k``
+    most likely children, scored by cumulative log-probability; :meth:`rerank` keeps the
+    best nodes overall (EAGLE-2). A child never scores above its parent, so the best nodes
+    form a tree; ties are broken towards shallower and earlier nodes, which keeps that so.
+    """
+
+    def __init__(self, top_k: int):
+        self.top_k = top_k
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.frontier: list[int] = [-1]  # -1: the root
+
+    def expand(self, logprobs: torch.Tensor) -> list[int]:
+        """Grow one level. ``logprobs[i]`` is the draft's log-distribution below frontier node
+        ``i`` (``[len(frontier), vocab]``). Adds ``top_k`` children per frontier node and
+        makes the ``top_k`` best of them the next frontier; returns the new nodes."""
+        base = torch.tensor([0.0 if f < 0 else self.scores[f] for f in self.frontier], dtype=torch.float64)
+        top = logprobs.double().topk(self.top_k, dim=-1)
+        new = []
+        for row, parent in enumerate(self.frontier):
+            for lp, tok in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                self.tokens.append(tok)
+                self.parents.append(parent)
+                self.scores.append(float(base[row]) + lp)
+                new.append(len(self.tokens) - 1)
+        self.frontier = sorted(sorted(new, key=lambda n: -self.scores[n])[:self.top_k])
+        return new
+
+    def rerank(self, budget: int) -> tuple[list[int], list[int], list[int]]:
+        """The ``budget`` best nodes as a tree: (tokens, parents within it, node ids), parents first."""
+        order = sorted(range(len(self.tokens)), key=lambda n: (-self.scores[n], n))[:budget]
+        keep = set(order)
+        for n in order:  # close under ancestors (only ties can break it)
+            p = self.parents[n]
+            while p >= 0 and p not in keep:
+                keep.add(p)
+                p = self.parents[p]
+        chosen = sorted(keep)
+        where = {n: i for i, n in enumerate(chosen)}
+        return ([self.tokens[n] for n in chosen], [where.get(self.parents[n], -1) for n in chosen], chosen)
+
+
+# -- tries of candidate continuations -------------------------------------------------------
+
+
+def prefix_trie(candidates, depth: int) -> tuple[list[int], list[int]]:
+    """Merge candidate continuations (beams, n-grams) into one tree, shared prefixes once.
+
+    Returns (tokens, parents); candidates are cut at ``depth``; earlier candidates come first.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict[tuple[int, int], int] = {}
+    for cand in candidates:
+        parent = -1
+        for tok in list(cand)[:depth]:
+            key = (parent, tok)
+            if key not in children:
+                tokens.append(tok)
+                parents.append(parent)
+                children[key] = len(tokens) - 1
+            parent = children[key]
+    return tokens, parents

@@ -120,3 +120,24 @@ def test_llm_checks_config_before_loading_weights(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="no config.json"):
         LLM(model=str(tmp_path / "empty"))
+
+
+def test_speculative_model_dir_is_an_alias_of_speculative_model():
+    cfg = config_from_dict({"speculative_config": {"decoding_type": "draft_target", "speculative_model_dir": "d"}})
+    assert cfg.speculative_config.speculative_model == "d"
+    with pytest.raises(ConfigError, match="not both"):
+        config_from_dict({"speculative_config": {"decoding_type": "draft_target", "speculative_model": "a",
+                                                 "speculative_model_dir": "b"}})
+    with pytest.raises(ConfigError, match="speculative_model_dir: unknown key"):
+        config_from_dict({"speculative_config": {"decoding_type": "ngram", "speculative_model_dir": "b"}})
+
+
+def test_node_budget_must_hold_the_depth():
+    cfg = config_from_dict({"speculative_config": {"decoding_type": "ngram", "max_draft_len": 4,
+                                                   "max_total_draft_tokens": 10,
+                                                   "draft_len_schedule": {1: 4, 8: 2, 16: 0}}})
+    spec = cfg.speculative_config
+    assert [spec.draft_shape_for_batch(b) for b in (1, 8, 16)] == [(4, 10), (2, 5), (0, 0)]
+    with pytest.raises(ConfigError, match="speculative_config.max_total_draft_tokens: 3 nodes cannot hold"):
+        config_from_dict({"speculative_config": {"decoding_type": "ngram", "max_draft_len": 4,
+                                                 "max_total_draft_tokens": 3}})

@@ -5,7 +5,7 @@ import torch
 from conftest import reference_greedy
 from helpers import first_divergence, near_tie_at
 
-from specdec import LLM, SamplingParams
+from specdec import LLM, DraftProposal, SamplingParams, hookimpl
 from specdec.errors import KVCacheFullError, RequestError
 
 PROMPTS = [
@@ -236,3 +236,66 @@ def test_repetition_penalty_changes_greedy_output(smol):
     penalised = smol.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.5))[0]
     assert penalised.token_ids != plain
     assert len(set(penalised.token_ids)) > len(set(plain))
+
+
+class _WideTreeDrafter:
+    """Proposes trees far larger than allowed (a wide first level), to test the node budget."""
+
+    proposals: list = []
+
+    def __init__(self, config, target):
+        self.vocab = target.vocab_size
+
+    @hookimpl
+    def prepare_draft_tokens(self, requests, draft_lens, max_nodes):
+        out = []
+        for req, k, n in zip(requests, draft_lens, max_nodes):
+            assert n >= k
+            tokens = [(req.token_ids[-1] + i) % self.vocab for i in range(3 * n + 5)]
+            parents = [-1] * len(tokens)
+            out.append(DraftProposal(token_ids=tokens, parents=parents))
+        return out
+
+
+def test_node_budget_is_respected_under_load(tiny_models):
+    import sys
+    import types
+
+    module = types.ModuleType("wide_tree_mod")
+    module.Drafter = _WideTreeDrafter
+    sys.modules["wide_tree_mod"] = module
+    model = str(tiny_models["llama"])
+    prompts = [[i + 1, i + 2, i + 3] * 4 for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=model, dtype="float32").generate(prompts, params)
+    llm = LLM(model=model, dtype="float32", engine={"max_num_tokens": 24, "max_batch_size": 6},
+              speculative_config={"decoding_type": "user", "drafter": "wide_tree_mod:Drafter", "max_draft_len": 3,
+                                  "max_total_draft_tokens": 5})
+    sizes, nodes = [], []
+    forward = llm.engine._forward
+
+    def watch(items):
+        sizes.append(sum(len(it.tokens) for it in items))
+        nodes.extend(len(it.proposal.token_ids) for it in items if it.proposal is not None)
+        return forward(items)
+
+    llm.engine._forward = watch
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
+    assert max(sizes) <= 24, sizes
+    assert nodes and max(nodes) <= 5 and 5 in nodes
+
+
+def test_a_preempted_request_whose_context_is_all_cached_still_finishes(smol):
+    """Issue 10's hang: preemption exactly at a block boundary with prefix caching on."""
+    llm = LLM(dtype="float32", engine={"kv_cache_blocks": 33, "block_size": 4, "max_batch_size": 6})
+    prompts = [[100 + i, 200 + i, 300 + i, 400 + i] * 4 for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    reqs = [llm.engine.add_request(p, params) for p in prompts]
+    steps = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        steps += 1
+        assert steps < 2000, "the engine stopped making progress"
+    roomy = smol.generate(prompts, params)  # a cache with room to spare
+    assert [r.output_token_ids for r in reqs] == [o.token_ids for o in roomy]

@@ -54,6 +54,18 @@ def test_hidden_states_reach_the_drafter_without_recomputation(tiny_models):
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32",
               speculative_config={"decoding_type": "user", "drafter": "watcher_mod:Watcher"})
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    first_run = list(seen)
+    # The same 40-token prompt twice: with prefix caching its blocks would be reused and
+    # their hidden states never computed; a drafter that reads them gets them all.
+    seen.clear()
+    long_prompt = list(range(1, 41))
+    outs = llm.generate([long_prompt, long_prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    prefills = [r for r in seen if r.is_prefill]
+    for out in outs:
+        mine = [r for r in prefills if r.request.request_id == out.request_id]
+        assert mine[0].start == 0 and sum(r.hidden_states[-1].shape[0] for r in mine) == 40
+        assert out.metrics.num_cached_prompt_tokens == 0
+    seen[:] = first_run
     prefill = seen[0]
     assert prefill.is_prefill and set(prefill.hidden_states) == {0, -1}
     assert prefill.hidden_states[-1].shape == (5, 64)

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from specdec import LLM, hookspecs, testing
-from specdec.errors import PluginError
+from specdec.errors import ConfigError, PluginError
 from specdec.plugins import get_registry, hook_names, reset_registry
 
 METHODS = {"ngram": "specdec-plugin-ngram", "lookahead": "specdec-plugin-lookahead",
@@ -133,3 +133,34 @@ def test_drafter_with_a_misspelled_hook_is_rejected(tmp_path):
                 speculative_config={"decoding_type": "user", "drafter": "typo_drafts:Typo"})
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_user_decoding_type_takes_a_class_or_an_instance_in_python(tmp_path):
+    """TensorRT-LLM's UserProvidedDecodingConfig(drafter=MyDrafter()) style."""
+    from specdec import Drafter, DraftProposal, SamplingParams, hookimpl
+
+    class Echo(Drafter):
+        @hookimpl
+        def prepare_draft_tokens(self, requests, draft_lens):
+            return [DraftProposal(token_ids=[r.token_ids[-1]] * k) for r, k in zip(requests, draft_lens)]
+
+    class Counting:
+        calls = 0
+
+        @hookimpl
+        def prepare_draft_tokens(self, requests, draft_lens):
+            Counting.calls += 1
+            return [None] * len(requests)
+
+    model = str(testing.tiny_model_dir(tmp_path))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    by_class = LLM(model=model, speculative_config={"decoding_type": "user", "drafter": Echo, "max_draft_len": 2})
+    assert isinstance(by_class.drafter, Echo)
+    assert by_class.generate([[1, 2, 3]], params)[0].metrics.num_draft_tokens > 0
+    instance = Counting()
+    by_instance = LLM(model=model, speculative_config={"decoding_type": "user", "drafter": instance})
+    assert by_instance.drafter is instance
+    by_instance.generate([[1, 2, 3]], params)
+    assert Counting.calls > 0
+    with pytest.raises(ConfigError, match="speculative_config.drafter: expected"):
+        LLM(model=model, speculative_config={"decoding_type": "user", "drafter": 42})

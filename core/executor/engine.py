@@ -81,15 +81,19 @@ class Engine:
         budget = (free_memory_bytes(target.device) * config.kv_cache_memory_fraction
                   if config.kv_cache_memory_fraction else config.kv_cache_memory_mb * 2**20)
         num_blocks = config.kv_cache_blocks or max(1, int(budget // block_bytes))
-        cache = PagedKVCache(target.layer_shapes, num_blocks, config.block_size, target.dtype, target.device)
-        self.kv = KVCacheManager(cache, num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
-        self.acceptance_rule = spec.acceptance_rule() if spec is not None else None
         self.hidden_layers: list[int] = []
         if self.hooks is not None:
             wanted = self.hooks.target_hidden_layers(target=target)
             self.hidden_layers = sorted({layer for layers in wanted for layer in layers})
             target.capture_hidden_layers(self.hidden_layers)
+        # Cached prefix blocks carry no hidden states: a drafter that reads the prompt's
+        # hidden states gets every prompt token recomputed instead.
+        reuse = config.enable_prefix_caching and not self.hidden_layers
+        cache = PagedKVCache(target.layer_shapes, num_blocks, config.block_size, target.dtype, target.device)
+        self.kv = KVCacheManager(cache, num_blocks, config.block_size, reuse)
+        self.scheduler = Scheduler(config, self.kv)
+        self.acceptance_rule = spec.acceptance_rule() if spec is not None else None
+        self._logged_faults: set[str] = set()
         self.requests: dict[str, Request] = {}
         self.totals = RequestMetrics()
         self._ids = itertools.count()
@@ -145,21 +149,25 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------
 
-    def _draft_len(self, req: Request, batch_size: int) -> int:
+    def _draft_shape(self, req: Request, batch_size: int, allowance: int) -> tuple[int, int]:
+        """(depth, nodes) of the draft ``req`` may get this step: the schedule's, within the
+        scheduler's allowance and the room left in the request and the context."""
         if self.spec is None or req.metrics.num_steps < req.speculation_paused_until:
-            return 0
+            return 0, 0
         room = min(req.sampling_params.max_tokens - req.num_output_tokens,
                    self.max_model_len - len(req.token_ids)) - 1
-        return max(0, min(self.spec.draft_len_for_batch(batch_size), room))
+        depth, nodes = self.spec.draft_shape_for_batch(batch_size)
+        depth = max(0, min(depth, room, allowance))
+        return depth, (min(nodes, allowance) if depth else 0)
 
     def step(self) -> list[StepOutput]:
         batch_size = len(self.scheduler.running) + min(len(self.scheduler.waiting), 1)
-        default_len = self.spec.draft_len_for_batch(max(batch_size, 1)) if self.spec else 0
-        plan = self.scheduler.schedule(draft_budget=default_len)
+        nodes = self.spec.draft_shape_for_batch(max(batch_size, 1))[1] if self.spec else 0
+        plan = self.scheduler.schedule(draft_budget=nodes)
         if plan.empty:
             return []
         items = [self._prefill_item(req, n) for req, n in plan.prefills]
-        items += self._decode_items(plan.decodes, len(self.scheduler.running))
+        items += self._decode_items(plan.decodes, plan.draft_allowance, len(self.scheduler.running))
         logits, hidden = self._forward(items)
         return self._settle(items, logits, hidden)
 
@@ -170,22 +178,24 @@ class Engine:
                      positions=torch.arange(start, start + n), tree_mask=None,
                      num_logits=1 if done and req.num_output_tokens == 0 else 0, is_prefill=True)
 
-    def _decode_items(self, reqs: list[Request], batch_size: int) -> list[_Item]:
-        lens = [self._draft_len(r, batch_size) for r in reqs]
+    def _decode_items(self, reqs: list[Request], allowances: list[int], batch_size: int) -> list[_Item]:
+        shapes = [self._draft_shape(r, batch_size, a) for r, a in zip(reqs, allowances)]
         proposals: list[DraftProposal | None] = [None] * len(reqs)
-        speculating = [i for i, k in enumerate(lens) if k > 0]
+        speculating = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
         if speculating and self.hooks is not None:
             started = time.perf_counter()
             try:
-                got = self.hooks.prepare_draft_tokens(requests=[reqs[i] for i in speculating],
-                                                      draft_lens=[lens[i] for i in speculating])
+                with torch.inference_mode():  # drafters run no autograd
+                    got = self.hooks.prepare_draft_tokens(requests=[reqs[i] for i in speculating],
+                                                          draft_lens=[shapes[i][0] for i in speculating],
+                                                          max_nodes=[shapes[i][1] for i in speculating])
             except Exception:  # a failing drafter costs speed, never output
                 log.exception("prepare_draft_tokens failed; decoding this step without drafts")
                 got = None
             spent = (time.perf_counter() - started) / len(speculating)
             for i, prop in zip(speculating, got or []):
                 reqs[i].metrics.draft_time += spent
-                proposals[i] = self._fit_proposal(reqs[i], prop, lens[i])
+                proposals[i] = self._fit_proposal(reqs[i], prop, *shapes[i])
         items = []
         for req, prop in zip(reqs, proposals):
             root = req.num_computed
@@ -199,15 +209,28 @@ class Engine:
                                tree_mask=mask.mask, num_logits=len(tokens), proposal=prop))
         return items
 
-    def _fit_proposal(self, req: Request, prop: DraftProposal | None, max_len: int) -> DraftProposal | None:
-        """Trim a proposal to the allowed depth and to the KV room there is; None if empty."""
+    def _log_once(self, kind: str, message: str, *args) -> None:
+        if kind not in self._logged_faults:
+            self._logged_faults.add(kind)
+            log.warning(message + " (logged once)", *args)
+
+    def _fit_proposal(self, req: Request, prop: DraftProposal | None, max_depth: int,
+                      max_nodes: int) -> DraftProposal | None:
+        """Trim a proposal to the allowed depth and node count and to the KV room there is;
+        None if nothing is left. Nodes come parents first, so the first ``max_nodes`` of
+        them are a tree (drafters list their best nodes first)."""
         if prop is None or not (prop.token_ids or prop.aux_token_ids):
             return None
-        if prop.is_chain and len(prop.token_ids) > max_len:
-            prop = attrs.evolve(prop, token_ids=prop.token_ids[:max_len], parents=None,
-                                draft_probs=None if prop.draft_probs is None else prop.draft_probs[:max_len])
-        elif prop.depth > max_len:
-            log.warning("drafter proposed a tree of depth %d > draft length %d; dropped", prop.depth, max_len)
+        if prop.depth > max_depth:
+            if not prop.is_chain:
+                self._log_once("depth", "drafter proposed a tree of depth %d > draft length %d; trimmed",
+                               prop.depth, max_depth)
+            prop = prop.subset([i for i, d in enumerate(prop.depths()) if d <= max_depth])
+        if len(prop.token_ids) > max_nodes:
+            self._log_once("nodes", "drafter proposed %d nodes > max_total_draft_tokens %d; trimmed to its "
+                           "first nodes", len(prop.token_ids), max_nodes)
+            prop = prop.subset(list(range(max_nodes)))
+        if not (prop.token_ids or prop.aux_token_ids):
             return None
         extra = len(prop.token_ids) + len(prop.aux_token_ids)
         if not self.kv.can_reserve(req, 1 + extra):
@@ -258,7 +281,7 @@ class Engine:
                 self.kv.commit(req, it.start + len(it.tokens))
                 new = [] if not it.num_logits else (
                     greedy[id(it)].tokens if id(it) in greedy else self._sample_first(req, it, logits))
-                results.append(StepResult(request=req, new_token_ids=new, is_prefill=True,
+                results.append(StepResult(request=req, new_token_ids=new, is_prefill=True, start=it.start,
                                           hidden_states=self._rows(hidden, it.row_offset, range(len(it.tokens)))))
                 continue
             verdict = greedy.get(id(it)) or self._verify(req, it, logits)
@@ -271,7 +294,7 @@ class Engine:
             if it.proposal is not None and it.proposal.aux_token_ids:
                 first_aux = it.logits_from + 1 + len(it.proposal.token_ids)
                 aux = logits[first_aux:first_aux + len(it.proposal.aux_token_ids)]
-            results.append(StepResult(request=req, new_token_ids=verdict.tokens, proposal=it.proposal,
+            results.append(StepResult(request=req, new_token_ids=verdict.tokens, proposal=it.proposal, start=root,
                                       accepted_nodes=verdict.accepted_nodes, aux_logits=aux,
                                       hidden_states=self._rows(hidden, it.row_offset, kept_rows)))
         if moves_src:
@@ -286,7 +309,8 @@ class Engine:
                 self._record(req, res.proposal, accepted, len(out.new_token_ids))
             outputs.append(out)
         if self.hooks is not None:
-            self.hooks.on_draft_verified(results=results)
+            with torch.inference_mode():
+                self.hooks.on_draft_verified(results=results)
         for out in outputs:
             if out.finished:
                 self._finish(out.request, out.request.finish_reason)

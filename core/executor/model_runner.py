@@ -60,6 +60,56 @@ AttentionInterface.register(ATTENTION_NAME, _paged_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
+def probe_kv_shapes(call, name: str) -> list[tuple[int, int, int]]:
+    """Each attention layer's (K/V heads, key size, value size), read by one probing forward:
+    ``call(meta)`` runs one token with ``specdec=meta``."""
+    probe: list = []
+    with torch.inference_mode():
+        call(ForwardMetadata(cache=None, probe=probe))
+    probe.sort()
+    if [p[0] for p in probe] != list(range(len(probe))):
+        raise TypeError(f"{name}: attention layers report indices {[p[0] for p in probe]}; "
+                        f"expected 0..{len(probe) - 1}")
+    return [p[1:] for p in probe]
+
+
+@attrs.frozen
+class TargetParts:
+    """The pieces of the target that drafters reuse (shared, never copied; do not train them).
+
+    Attributes:
+        embed_tokens: the input embedding module (``[vocab, hidden]`` weight).
+        final_norm: the norm applied before the LM head (None if the model has none).
+        lm_head: the output projection (``[vocab, hidden]`` weight).
+        decoder_layers: the decoder layers, in order.
+        rotary_emb: the module computing rotary ``(cos, sin)`` from positions, or None.
+        hf_config: the text config (architecture of a draft layer "like the target's").
+        hidden_size, num_layers, vocab_size: as their names say.
+    """
+
+    embed_tokens: torch.nn.Module
+    final_norm: torch.nn.Module | None
+    lm_head: torch.nn.Module
+    decoder_layers: torch.nn.ModuleList
+    rotary_emb: torch.nn.Module | None
+    hf_config: object
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+
+
+def target_parts(model) -> TargetParts:
+    """The :class:`TargetParts` of a transformers causal LM."""
+    layers, norm = _decoder_parts(model)
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head = model.get_output_embeddings()
+    return TargetParts(embed_tokens=model.get_input_embeddings(), final_norm=norm, lm_head=head,
+                       decoder_layers=layers, rotary_emb=getattr(base, "rotary_emb", None), hf_config=config,
+                       hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
+                       vocab_size=head.weight.shape[0])
+
+
 def _decoder_parts(model) -> tuple[torch.nn.ModuleList, torch.nn.Module | None]:
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     layers = getattr(base, "layers", None)
@@ -71,9 +121,10 @@ def _decoder_parts(model) -> tuple[torch.nn.ModuleList, torch.nn.Module | None]:
 class TargetModel:
     """A causal LM ready for paged, packed, tree-masked forwards.
 
-    Attributes a drafter may use: ``model`` (the transformers module), ``tokenizer``
-    (or None), ``hf_config``, ``num_layers``, ``vocab_size``, ``hidden_size``, ``device``,
-    ``dtype``, ``eos_token_ids``, ``max_model_len``, ``name``.
+    Attributes a drafter may use: ``parts`` (embeddings, final norm, LM head, layers: see
+    :class:`TargetParts`), ``tokenizer`` (or None), ``hf_config``, ``num_layers``,
+    ``vocab_size``, ``hidden_size``, ``device``, ``dtype``, ``eos_token_ids``,
+    ``max_model_len``, ``name``; ``model`` is the transformers module itself.
     """
 
     def __init__(self, model, tokenizer, name: str, max_model_len: int | None = None):
@@ -105,17 +156,14 @@ class TargetModel:
         return ids
 
     def _probe_kv_shapes(self) -> list[tuple[int, int, int]]:
-        """Run one token through the model to read each layer's K/V head count and sizes."""
-        probe: list = []
-        with torch.inference_mode():
-            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                       position_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                       use_cache=False, logits_to_keep=1, specdec=ForwardMetadata(cache=None, probe=probe))
-        probe.sort()
-        if [p[0] for p in probe] != list(range(len(probe))):
-            raise TypeError(f"{type(self.model).__name__}: attention layers report indices "
-                            f"{[p[0] for p in probe]}; expected 0..{len(probe) - 1}")
-        return [p[1:] for p in probe]
+        one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        return probe_kv_shapes(lambda meta: self.model(input_ids=one, position_ids=one, use_cache=False,
+                                                       logits_to_keep=1, specdec=meta), type(self.model).__name__)
+
+    @property
+    def parts(self) -> TargetParts:
+        """What drafters reuse of the target: embeddings, final norm, LM head, layers, sizes."""
+        return target_parts(self.model)
 
     def capture_hidden_layers(self, layers: list[int]) -> None:
         """Keep the hidden states of these layers (``-1``: final norm output) at every forward."""

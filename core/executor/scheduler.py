@@ -1,7 +1,9 @@
 """Continuous batching: which requests run in the next step, and with how many tokens.
 
-Running requests that decode come first; each needs one KV slot for its root token (draft
-slots are reserved later, when the drafts exist, and a draft without room is dropped).
+Running requests that decode come first; each needs one KV slot for its root token and is
+charged ``1 + draft_budget`` tokens (its draft nodes) against the step's token budget; the
+plan says how many draft nodes each may get (draft slots are reserved later, when the
+drafts exist, and a draft without room is dropped).
 When even that slot cannot be had, the most recently admitted request is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed later.
 The rest of the token budget goes to prompt chunks (chunked prefill), of running requests
@@ -23,6 +25,7 @@ from .request import Request, Status
 class Plan:
     prefills: list[tuple[Request, int]] = attrs.Factory(list)  # (request, prompt tokens to compute)
     decodes: list[Request] = attrs.Factory(list)
+    draft_allowance: list[int] = attrs.Factory(list)  # per decode: the most draft nodes it may add
 
     @property
     def empty(self) -> bool:
@@ -58,7 +61,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def schedule(self, draft_budget: int) -> Plan:
-        """Plan one step. ``draft_budget``: tokens a decoding request may add for drafts.
+        """Plan one step. ``draft_budget``: draft nodes a decoding request may add.
 
         A step with work left is never empty: if nothing fits, running requests are
         preempted (newest first) until something does.
@@ -80,9 +83,8 @@ class Scheduler:
                 if req not in self.running:
                     break
             if req in self.running:
-                self.kv.reserve(req, 1)
-                plan.decodes.append(req)
-                budget -= 1 + draft_budget
+                self._decode(req, plan, min(draft_budget, max(0, budget - 1)))
+                budget -= 1 + plan.draft_allowance[-1]
         for req in self.running:
             if req.is_prefilling and budget > 0:
                 budget -= self._plan_chunk(req, budget, plan)
@@ -92,6 +94,15 @@ class Scheduler:
                 reused = self.kv.attach_prefix(req)
                 if req.num_output_tokens == 0:
                     req.metrics.num_cached_prompt_tokens = reused
+            if not req.is_prefilling and self.kv.can_reserve(req, 1):
+                # A preempted request whose whole context came back from the prefix cache:
+                # nothing to prefill, it decodes right away.
+                self.waiting.popleft()
+                req.status = Status.RUNNING
+                self.running.append(req)
+                self._decode(req, plan, min(draft_budget, max(0, budget - 1)))
+                budget -= 1 + plan.draft_allowance[-1]
+                continue
             chunk = self._plan_chunk(req, budget, plan)
             if chunk == 0:
                 self.kv.free(req)  # no room yet: it stays first in line, pinning no blocks
@@ -101,6 +112,11 @@ class Scheduler:
             self.running.append(req)
             budget -= chunk
         return plan
+
+    def _decode(self, req: Request, plan: Plan, allowance: int) -> None:
+        self.kv.reserve(req, 1)
+        plan.decodes.append(req)
+        plan.draft_allowance.append(allowance)
 
     def _plan_chunk(self, req: Request, budget: int, plan: Plan) -> int:
         n = min(budget, req.prefill_target - req.num_computed)

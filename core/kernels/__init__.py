@@ -50,6 +50,8 @@ def _dispatch(name: str, tensor: torch.Tensor, reference, *args):
 
 
 def paged_attention(query, key_pool, value_pool, layout: AttentionLayout, scale, sliding_window=None, softcap=None):
+    if layout.has_pending:  # draft-tree levels: only the reference reads pending masks
+        return paged_attention_torch(query, key_pool, value_pool, layout, scale, sliding_window, softcap)
     return _dispatch("paged_attention_triton", query, paged_attention_torch,
                      query, key_pool, value_pool, layout, scale, sliding_window, softcap)
 

@@ -22,15 +22,20 @@ def slot_ids(block_table: list[int], block_size: int, start: int, count: int) ->
 class SequenceSlice:
     """One sequence's share of a step.
 
-    ``start`` tokens are committed in the cache before this step; the ``len(positions)``
-    new tokens go to cache indices ``start ..``. ``tree_mask[i, j]``: new token ``i`` sees
-    new token ``j`` (None: causal).
+    ``start`` tokens are in the cache before this step; the ``len(positions)`` new tokens
+    go to cache indices ``start ..``. ``tree_mask[i, j]``: new token ``i`` sees new token
+    ``j`` (None: causal). Every new token sees every cached token, except where
+    ``pending_mask`` (``[n, m]``) says otherwise for the last ``m`` cached ones: the nodes
+    of a draft tree expanded level by level, which sit at ``pending_positions``. Layouts
+    with a pending mask run on the torch reference.
     """
 
     block_table: list[int]
     start: int
     positions: torch.Tensor  # long [n]
     tree_mask: torch.Tensor | None = None
+    pending_mask: torch.Tensor | None = None
+    pending_positions: torch.Tensor | None = None
 
 
 class AttentionLayout:
@@ -71,13 +76,24 @@ class AttentionLayout:
         return torch.tensor(slots, device=self.device)
 
     @cached_property
+    def has_pending(self) -> bool:
+        return any(s.pending_mask is not None for s in self.seqs)
+
+    @staticmethod
+    def _cached_positions(s: SequenceSlice) -> torch.Tensor:
+        pos = torch.arange(s.start)
+        if s.pending_positions is not None:
+            pos[s.start - len(s.pending_positions):] = s.pending_positions
+        return pos
+
+    @cached_property
     def key_positions(self) -> torch.Tensor:
-        return torch.cat([torch.cat([torch.arange(s.start), s.positions]) for s in self.seqs]).to(self.device)
+        return torch.cat([torch.cat([self._cached_positions(s), s.positions]) for s in self.seqs]).to(self.device)
 
     @cached_property
     def dense_mask(self) -> torch.Tensor | None:
         """``[T, S]``: block-diagonal across sequences; None when one query sees everything."""
-        if len(self.seqs) == 1 and len(self.seqs[0].positions) == 1:
+        if len(self.seqs) == 1 and len(self.seqs[0].positions) == 1 and not self.has_pending:
             return None
         total_k = sum(s.start + len(s.positions) for s in self.seqs)
         mask = torch.zeros(self.num_tokens, total_k, dtype=torch.bool)
@@ -85,6 +101,9 @@ class AttentionLayout:
         for s in self.seqs:
             n = len(s.positions)
             mask[q0:q0 + n, k0:k0 + s.start] = True
+            if s.pending_mask is not None:
+                m = s.pending_mask.shape[1]
+                mask[q0:q0 + n, k0 + s.start - m:k0 + s.start] = s.pending_mask
             mask[q0:q0 + n, k0 + s.start:k0 + s.start + n] = self._tree(s)
             q0 += n
             k0 += s.start + n

@@ -2,15 +2,20 @@
 
 Options (defaults in brackets):
     max_draft_len [4]: draft tokens per step (one draft-model forward each).
-    speculative_model [none]: a model directory or .gguf with the target's vocabulary;
-        checked at load, a mismatched tokenizer is an error naming both models.
-    draft_layers [a quarter of the target's layers]: without speculative_model, the draft is
-        the target's own first N layers with its final norm and LM head (no extra weights).
+    speculative_model [the shipped draft on the embedded model, else none]: a model
+        directory or .gguf with the target's vocabulary (checked at load: a mismatched
+        tokenizer is an error naming both models), or a directory `specdec train
+        draft_target` wrote (its embeddings and LM head are the target's). Alias:
+        speculative_model_dir.
+    draft_layers [a quarter of the target's layers]: with no draft model, the draft is the
+        target's own first N layers with its final norm and LM head (no extra weights).
     draft_kv_cache_blocks [1024]: the draft model's KV pool, in blocks of 16 tokens.
 
 At temperature 0 drafts are the draft model's argmax; otherwise they are sampled from the
 draft distribution (after the request's temperature/top-k/top-p), which the core's
-rejection sampler receives as ``draft_probs`` so the output keeps the target's distribution.
+rejection sampler receives as ``draft_probs`` so the output keeps the target's
+distribution. A trained draft may read a reduced vocabulary (the tokens it was trained to
+predict); its probabilities are zero elsewhere, which rejection sampling handles exactly.
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ import torch
 
 from specdec import DecodingType, Drafter, DraftProposal, hookimpl
 from specdec.config import SpeculativeConfig, in_range
-from specdec.draft_runner import DraftModelRunner
+from specdec.draft_checkpoint import SECTION, check_target, load_draft_vocab, read_config
+from specdec.draft_runner import DraftInput, DraftRunner, causal_lm_forward
 from specdec.errors import ModelLoadError
 from specdec.executor.model_runner import TargetModel
-from specdec.models import load_causal_lm, load_tokenizer, resolve_model_dir
+from specdec.models import EMBEDDED_NAME, load_causal_lm, load_tokenizer, resolve_model_dir
 from specdec.sampler import probs_from_logits
+
+from .checkpoint import SHIPPED_DRAFT, load_trained_draft
+from .trainer import DraftTargetTrainer
 
 
 @attrs.frozen(kw_only=True)
@@ -52,40 +61,64 @@ def layer_skip_model(target_model, layers: int):
     return draft
 
 
-def check_same_vocabulary(target: TargetModel, draft: TargetModel, draft_name: str) -> None:
-    if target.tokenizer is not None and draft.tokenizer is not None:
-        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+def check_same_vocabulary(target: TargetModel, draft_model, tokenizer, draft_name: str) -> None:
+    if target.tokenizer is not None and tokenizer is not None:
+        if target.tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ModelLoadError(f"draft model {draft_name!r} has a different tokenizer from the target "
                                  f"{target.name!r}; draft_target needs the same vocabulary")
-    if draft.vocab_size > target.vocab_size:
-        raise ModelLoadError(f"draft model {draft_name!r} has {draft.vocab_size} output tokens, more than the "
+    vocab = draft_model.get_output_embeddings().weight.shape[0]
+    if vocab > target.vocab_size:
+        raise ModelLoadError(f"draft model {draft_name!r} has {vocab} output tokens, more than the "
                              f"target {target.name!r} ({target.vocab_size}); they must share a vocabulary")
+
+
+def load_draft(config: DraftTargetConfig, target: TargetModel) -> tuple[torch.nn.Module, torch.Tensor | None]:
+    """The draft causal LM and its draft vocabulary (None: the whole vocabulary)."""
+    source = config.speculative_model
+    if source is None and config.draft_layers is None and target.name == EMBEDDED_NAME:
+        source = str(SHIPPED_DRAFT)
+    if source is not None:
+        path = resolve_model_dir(source)
+        meta = read_config(path).get(SECTION)
+        if meta is not None:  # written by `specdec train draft_target`
+            check_target(path, meta, target)
+            return load_trained_draft(path, target), load_draft_vocab(path, target.vocab_size)
+        model = load_causal_lm(path, target.dtype, target.device)
+        check_same_vocabulary(target, model, load_tokenizer(path), source)
+        return model, None
+    layers = config.draft_layers or max(1, target.num_layers // 4)
+    if layers >= target.num_layers:
+        raise ModelLoadError(f"speculative_config.draft_layers: {layers} is not fewer than the target's "
+                             f"{target.num_layers} layers")
+    return layer_skip_model(target.model, layers), None
 
 
 class DraftTargetDrafter(Drafter):
     def __init__(self, config: DraftTargetConfig, target: TargetModel):
         super().__init__(config, target)
-        if config.speculative_model:
-            path = resolve_model_dir(config.speculative_model)
-            model = load_causal_lm(path, target.dtype, target.device)
-            draft = TargetModel(model, load_tokenizer(path), str(config.speculative_model))
-            check_same_vocabulary(target, draft, config.speculative_model)
-        else:
-            layers = config.draft_layers or max(1, target.num_layers // 4)
-            if layers >= target.num_layers:
-                raise ModelLoadError(f"speculative_config.draft_layers: {layers} is not fewer than the target's "
-                                     f"{target.num_layers} layers")
-            draft = TargetModel(layer_skip_model(target.model, layers), target.tokenizer,
-                                f"{target.name} (first {layers} layers)")
-        self.runner = DraftModelRunner(draft, config.draft_kv_cache_blocks)
+        model, self.draft_vocab = load_draft(config, target)
+        head = model.get_output_embeddings().weight
+        self.head_weight = head if self.draft_vocab is None else head[self.draft_vocab.to(head.device)]
+        self.runner = DraftRunner.for_module(causal_lm_forward(model), config.draft_kv_cache_blocks, 16,
+                                             target.dtype, target.device)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.head_weight.T).float()
 
     def _pick(self, logits: torch.Tensor, req) -> tuple[int, torch.Tensor | None]:
+        """A draft token from one row of draft logits, with its full-vocabulary distribution
+        when sampling (None when greedy)."""
+        ids = self.draft_vocab
         params = req.sampling_params
         if params.greedy:
-            return int(logits.argmax()), None
-        q = probs_from_logits(logits[None], params)[0]
-        if q.shape[-1] < self.target.vocab_size:  # a draft head narrower than the target's
-            q = torch.nn.functional.pad(q, (0, self.target.vocab_size - q.shape[-1]))
+            best = int(logits.argmax())
+            return (best if ids is None else int(ids[best])), None
+        q_small = probs_from_logits(logits[None], params)[0]
+        q = torch.zeros(self.target.vocab_size, device=q_small.device)
+        if ids is None:
+            q[:q_small.shape[-1]] = q_small
+        else:
+            q[ids.to(q.device)] = q_small
         return int(torch.multinomial(q, 1, generator=req.generator)), q
 
     @hookimpl
@@ -93,23 +126,21 @@ class DraftTargetDrafter(Drafter):
         seqs = [self.runner.sync(r.request_id, r.token_ids) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        active = list(range(len(requests)))
-        for _ in range(max(draft_lens)):
-            logits = self.runner.forward([seqs[i] for i in active])
-            if logits is None:
+        inputs = {i: DraftInput(seq, seq.token_ids[seq.num_computed:]) for i, seq in enumerate(seqs)}
+        while inputs:
+            order = list(inputs)
+            outs = self.runner.forward([inputs[i] for i in order])
+            if outs is None:
                 break
-            still = []
-            for row, i in enumerate(active):
+            logits = self._logits(torch.cat(outs))
+            inputs = {}
+            for row, i in enumerate(order):
                 token, q = self._pick(logits[row], requests[i])
                 drafts[i].append(token)
                 if q is not None:
                     probs[i].append(q)
                 if len(drafts[i]) < draft_lens[i]:
-                    seqs[i].token_ids.append(token)
-                    still.append(i)
-            active = still
-            if not active:
-                break
+                    inputs[i] = DraftInput(seqs[i], [token])
         return [DraftProposal(token_ids=d, draft_probs=torch.stack(p) if p else None,
                               sibling_sampling="iid" if p else "deterministic") if d else None
                 for d, p in zip(drafts, probs)]
@@ -122,5 +153,9 @@ class DraftTargetDrafter(Drafter):
 @hookimpl
 def register_decoding_types(register):
     register(DecodingType(name="draft_target", aliases=("DraftTarget",), config_class=DraftTargetConfig,
-                          drafter_class=DraftTargetDrafter,
-                          description="a smaller draft model, or a layer-skip draft of the target"))
+                          drafter_class=DraftTargetDrafter, trainer_class=DraftTargetTrainer,
+                          description="a smaller draft model (trained by `specdec train draft_target`), "
+                                      "or a layer-skip draft of the target"))
+
+
+__all__ = ["DraftTargetConfig", "DraftTargetDrafter", "DraftTargetTrainer"]

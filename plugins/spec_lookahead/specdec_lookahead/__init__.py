@@ -25,7 +25,7 @@ import torch
 
 from specdec import DecodingType, Drafter, DraftProposal, TreeMask, hookimpl
 from specdec.config import SpeculativeConfig, in_range
-from specdec.tree import ancestor_mask
+from specdec.tree import ancestor_mask, prefix_trie
 
 
 @attrs.frozen(kw_only=True)
@@ -52,21 +52,6 @@ class LookaheadState:
         del grams[:-keep]
 
 
-def trie(candidates: list[tuple[int, ...]], depth: int) -> tuple[list[int], list[int]]:
-    """Merge candidate continuations into one tree (shared prefixes once)."""
-    tokens, parents, children = [], [], {}
-    for cand in candidates:
-        parent = -1
-        for tok in cand[:depth]:
-            key = (parent, tok)
-            if key not in children:
-                tokens.append(tok)
-                parents.append(parent)
-                children[key] = len(tokens) - 1
-            parent = children[key]
-    return tokens, parents
-
-
 class LookaheadDrafter(Drafter):
     def _state(self, req) -> LookaheadState:
         if "lookahead" not in req.drafter_state:
@@ -80,7 +65,7 @@ class LookaheadDrafter(Drafter):
         for req, k in zip(requests, draft_lens):
             state = self._state(req)
             candidates = state.pool.get(req.token_ids[-1], [])[-self.config.max_verification_set_size:]
-            tokens, parents = trie(list(reversed(candidates)), k)
+            tokens, parents = prefix_trie(reversed(candidates), k)
             window = self.config.max_window_size
             aux = [tok for level in state.levels for tok in level]
             offsets = [i + j + 1 for j in range(len(state.levels)) for i in range(window)]

@@ -3,19 +3,13 @@
 
 from specdec import LLM, DraftProposal, SamplingParams, testing
 from specdec.config import config_from_dict
-from specdec_lookahead import LookaheadDrafter, LookaheadState, trie
+from specdec_lookahead import LookaheadDrafter, LookaheadState
 
 
 def test_conformance():
     testing.check_registration("lookahead", distribution="specdec-plugin-lookahead")
     testing.check_config_round_trip({"decoding_type": "lookahead", "max_window_size": 3, "max_ngram_size": 3,
                                      "max_verification_set_size": 2, "max_draft_len": 2})
-
-
-def test_candidates_merge_into_a_trie():
-    tokens, parents = trie([(5, 6, 7), (5, 6, 8), (9, 1, 2)], depth=3)
-    assert tokens == [5, 6, 7, 8, 9, 1, 2] and parents == [-1, 0, 1, 1, -1, 4, 5]
-    assert trie([(5, 6, 7)], depth=2) == ([5, 6], [-1, 0])
 
 
 def test_window_mask_is_one_jacobi_iteration_per_column():

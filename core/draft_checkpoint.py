@@ -1,0 +1,97 @@
+"""Drafter checkpoints that share the target's embeddings and LM head.
+
+A trained drafter directory holds the method's own files (``config.json`` and weights in
+its published layout) plus, in ``config.json``, a ``specdec_draft`` section saying which
+target it was trained for. Weights the drafter shares with the target (input embeddings,
+LM head) are left out of the file and taken from the target at load time, which keeps a
+drafter for the embedded model a few MB. The reduced draft vocabulary, where there is one,
+is a ``[draft_vocab]`` tensor of target token ids (``draft_vocab.safetensors``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+
+SECTION = "specdec_draft"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def target_signature(target) -> dict:
+    """What a drafter must match of its target (``target``: a TargetModel or TrainTarget)."""
+    return {"name": target.name, "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+            "num_layers": target.num_layers}
+
+
+def check_target(directory: Path, meta: dict, target) -> None:
+    """A clear error if the drafter in ``directory`` was trained for a target of other sizes."""
+    want = meta.get("target", {})
+    have = target_signature(target)
+    for key in ("hidden_size", "vocab_size", "num_layers"):
+        if key in want and want[key] != have[key]:
+            raise ModelLoadError(
+                f"drafter {directory} was trained for target {want.get('name', '?')!r} with {key} {want[key]}, "
+                f"but the target {have['name']!r} has {key} {have[key]}; train a drafter for this target with "
+                "`specdec train`")
+
+
+def read_config(directory: str | Path) -> dict:
+    directory = Path(directory)
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"drafter {directory}: no config.json there; give the directory `specdec train` "
+                             "wrote, or a checkpoint in the method's published layout")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise ModelLoadError(f"drafter {path}: not valid JSON ({exc})") from None
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors or torch file; a corrupt or partial file is named in the error."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"drafter weights {path}: cannot read them ({type(exc).__name__}: {exc}); the "
+                             "file is corrupt or incomplete") from None
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+
+
+def load_state_checked(module: torch.nn.Module, state: dict[str, torch.Tensor], path: Path,
+                       shared: tuple[str, ...] = ()) -> None:
+    """Load ``state`` into ``module``; keys in ``shared`` may be missing (the target's). Any
+    other missing, unexpected or mis-shaped tensor is an error naming the file."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state and not k.startswith(shared)]
+    unexpected = [k for k in state if k not in own]
+    wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(own[k].shape)})"
+             for k in state if k in own and state[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        parts = [f"missing {missing[:4]}" if missing else "", f"unexpected {unexpected[:4]}" if unexpected else "",
+                 f"wrong shapes {wrong[:3]}" if wrong else ""]
+        raise ModelLoadError(f"drafter weights {path} do not fit the drafter: "
+                             + "; ".join(p for p in parts if p))
+    module.load_state_dict(state, strict=False)
+
+
+def load_draft_vocab(directory: Path, vocab_size: int) -> torch.Tensor | None:
+    path = directory / DRAFT_VOCAB_FILE
+    if not path.exists():
+        return None
+    ids = load_tensors(path)["token_ids"].long()
+    if ids.numel() == 0 or int(ids.max()) >= vocab_size or int(ids.min()) < 0:
+        raise ModelLoadError(f"{path}: draft vocabulary ids must lie in 0..{vocab_size - 1}")
+    return ids

@@ -1,0 +1,125 @@
+"""Training data for drafters: self-distillation through the engine.
+
+The target answers the prompts of a JSONL file (``{"prompt": ...}`` or ``{"messages":
+[...]}``, as ``specdec bench`` reads them) with the engine's own continuous batching, and
+every answer becomes a :class:`Sample`: prompt and answer tokens, with the loss on the
+answer. Lines ``{"text": ...}`` are used as they are (teacher forcing: the loss covers the
+whole text, and the labels are the target's own predictions, computed at training time).
+
+Answers are appended to ``samples.jsonl`` in the run directory as they finish, a chunk
+at a time, so an interrupted run resumes where it stopped and later epochs (and later
+runs on the same directory) reuse them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import attrs
+
+from ..errors import SpecdecError
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDataError(SpecdecError):
+    """The training data file is missing, empty or malformed."""
+
+
+@attrs.frozen
+class Sample:
+    """One training sequence.
+
+    Attributes:
+        token_ids: prompt followed by the target's answer (or a plain text).
+        loss_start: first position whose *next* token is learnt; the prompt before it
+            is context only.
+        labels_from_target: True for plain text, whose labels the target must predict
+            at training time; False when ``token_ids`` after the prompt already are the
+            target's own greedy answer.
+    """
+
+    token_ids: list[int]
+    loss_start: int
+    labels_from_target: bool = False
+
+
+def read_items(path: str | Path) -> list[dict]:
+    """The JSONL file's items, checked: each has ``prompt``, ``messages`` or ``text``."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrainingDataError(f"{path}: no such file; give a JSONL file of {{\"prompt\": ...}} lines")
+    items = []
+    with path.open() as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except ValueError as exc:
+                raise TrainingDataError(f"{path}:{number}: not JSON ({exc})") from None
+            if not isinstance(item, dict) or not ({"prompt", "messages", "text"} & item.keys()):
+                raise TrainingDataError(f"{path}:{number}: expected {{\"prompt\": ...}}, {{\"messages\": [...]}} "
+                                        "or {\"text\": ...}")
+            items.append(item)
+    if not items:
+        raise TrainingDataError(f"{path}: the file has no training items")
+    return items
+
+
+def split_eval(items: list[dict], num_eval: int) -> tuple[list[dict], list[dict]]:
+    """Hold the last ``num_eval`` prompt items (at most a quarter of them) out of training,
+    for the final evaluation."""
+    prompts = [i for i, item in enumerate(items) if "text" not in item]
+    num_eval = min(num_eval, len(prompts) // 4)
+    held = set(prompts[len(prompts) - num_eval:]) if num_eval > 0 else set()
+    return [it for i, it in enumerate(items) if i not in held], [items[i] for i in sorted(held)]
+
+
+def encode_prompt(llm, item: dict) -> list[int]:
+    if "messages" in item:
+        return llm.apply_chat_template(item["messages"])
+    return llm.apply_chat_template([{"role": "user", "content": item["prompt"]}])
+
+
+def distill(llm, items: list[dict], cache: Path, max_new_tokens: int, chunk: int = 64,
+            progress=None) -> list[Sample]:
+    """Samples for ``items``: the target's greedy answers, generated once and cached in ``cache``.
+
+    ``llm`` is a :class:`specdec.LLM` without speculation. ``progress(done, total)`` is
+    called after each chunk.
+    """
+    from ..sampling_params import SamplingParams
+
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    done: list[dict] = []
+    if cache.exists():
+        with cache.open() as fh:
+            done = [json.loads(line) for line in fh if line.strip()]
+    samples = [Sample(d["token_ids"], d["loss_start"], d.get("labels_from_target", False)) for d in done]
+    todo = items[len(done):]
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    if done:
+        log.info("reusing %d cached answers from %s", len(done), cache)
+    for first in range(0, len(todo), chunk):
+        batch = todo[first:first + chunk]
+        prompts = [encode_prompt(llm, it) for it in batch if "text" not in it]
+        outs = llm.generate(prompts, params) if prompts else []
+        new: list[Sample] = []
+        answers = iter(outs)
+        for it in batch:
+            if "text" in it:
+                ids = llm.encode(it["text"])
+                new.append(Sample(ids, 0, labels_from_target=True))
+            else:
+                out = next(answers)
+                new.append(Sample(out.prompt_token_ids + out.token_ids, len(out.prompt_token_ids) - 1))
+        with cache.open("a") as fh:
+            for s in new:
+                fh.write(json.dumps(attrs.asdict(s)) + "\n")
+        samples += new
+        if progress is not None:
+            progress(len(samples), len(items))
+    return samples

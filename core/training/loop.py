@@ -1,0 +1,258 @@
+"""``specdec train``: self-distillation data, the training loop, checkpoints, evaluation.
+
+    target answers the prompts (engine, continuous batching)   -> samples.jsonl (cached)
+      -> the method's module and loss, AdamW, warm-up + cosine   -> checkpoint.pt every N steps
+      -> the method's save format in OUT                         -> speculative_model: OUT
+      -> acceptance length on prompts held out of the data       -> train_report.json
+
+An interrupted run continues with ``--resume`` from its last checkpoint: the batch order
+of every epoch is fixed by the seed, and the checkpoint stores where in it the run was,
+so no batch is seen twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import attrs
+import torch
+
+from ..errors import SpecdecError
+from .data import Sample, distill, encode_prompt, read_items, split_eval
+from .method import MethodTrainer, TrainBatch, TrainTarget
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.pt"
+SAMPLES = "samples.jsonl"
+REPORT = "train_report.json"
+
+
+@attrs.frozen(kw_only=True)
+class TrainOptions:
+    """Options of one training run (the CLI's flags)."""
+
+    method: str
+    data: str
+    out: str
+    model: str | None = None
+    device: str = "auto"
+    seed: int = 0
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_size: int = 8
+    max_seq_len: int = 512
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    save_every: int = 100
+    max_new_tokens: int = 160
+    gen_dtype: str = "bfloat16"
+    gen_batch_size: int = 24
+    eval_prompts: int = 16
+    max_samples: int | None = None
+    resume: bool = False
+    trainer_options: dict = attrs.Factory(dict)
+
+
+class TrainError(SpecdecError):
+    """A training run cannot start or continue (no trainer, existing run, bad options)."""
+
+
+def trainer_class_for(method: str):
+    from ..plugins import get_registry
+
+    registry = get_registry()
+    dtype = registry.resolve(method)
+    if dtype.trainer_class is None:
+        trainable = ", ".join(n for n, t in registry.types.items() if t.trainer_class) or "none installed"
+        raise TrainError(f"decoding type {dtype.name!r} ({dtype.distribution}) has no trainer; methods that "
+                         f"train: {trainable}")
+    return dtype
+
+
+def make_batches(samples: list[Sample], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Sample indices of each batch of one epoch, in a fixed order for (seed, epoch)."""
+    order = list(range(len(samples)))
+    random.Random(f"{seed}-{epoch}").shuffle(order)
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def collate(samples: list[Sample], max_len: int, target: TrainTarget) -> TrainBatch:
+    """Pad a batch; labels are the next tokens (the target's own answers), or the target's
+    predictions for plain-text samples."""
+    seqs = [s.token_ids[:max_len] for s in samples]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    labels = torch.zeros(len(seqs), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, (s, seq) in enumerate(zip(samples, seqs)):
+        n = len(seq)
+        ids[i, :n] = torch.tensor(seq)
+        attn[i, :n] = 1
+        labels[i, :n - 1] = ids[i, 1:n]
+        loss_mask[i, s.loss_start:n - 1] = True
+    device = target.device
+    ids, attn, labels, loss_mask = ids.to(device), attn.to(device), labels.to(device), loss_mask.to(device)
+    teach = [i for i, s in enumerate(samples) if s.labels_from_target]
+    if teach:
+        logits, _ = target.run(ids[teach], attn[teach])
+        labels[teach] = logits.argmax(-1)
+        loss_mask[teach, -1] = False
+    return TrainBatch(input_ids=ids, attention_mask=attn, labels=labels, loss_mask=loss_mask, target=target)
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_target(opts: TrainOptions, device: torch.device) -> TrainTarget:
+    from ..models import load_causal_lm, load_tokenizer, model_display_name, resolve_model_dir
+
+    path = resolve_model_dir(opts.model)
+    model = load_causal_lm(path, torch.float32, device)
+    return TrainTarget(model, load_tokenizer(path), model_display_name(opts.model, path), path)
+
+
+def evaluate(opts: TrainOptions, trainer: MethodTrainer, items: list[dict]) -> dict:
+    """Acceptance length of the saved drafter on the held-out prompts (greedy)."""
+    from ..api import LLM
+    from ..executor.metrics import RequestMetrics
+    from ..sampling_params import SamplingParams
+
+    llm = LLM(model=opts.model, dtype=opts.gen_dtype, device=opts.device,
+              speculative_config=trainer.speculative_config(Path(opts.out)))
+    outs = llm.generate([encode_prompt(llm, it) for it in items],
+                        SamplingParams(max_tokens=opts.max_new_tokens, temperature=0.0))
+    total = RequestMetrics()
+    for o in outs:
+        total.merge(o.metrics)
+    return {"prompts": len(items), "acceptance_length": total.acceptance_length,
+            "per_position_acceptance": total.per_position_acceptance}
+
+
+def train(opts: TrainOptions, progress: bool = True) -> dict:
+    """Run (or resume) one training run; returns the report also written to OUT/train_report.json."""
+    from tqdm import tqdm
+
+    from ..api import LLM, resolve_device
+
+    dtype = trainer_class_for(opts.method)
+    dtype.trainer_class.check_options(opts.trainer_options)
+    out = Path(opts.out)
+    ckpt_path = out / CHECKPOINT
+    if ckpt_path.exists() and not opts.resume:
+        raise TrainError(f"{out} holds a run already ({CHECKPOINT}); add --resume to continue it, or choose "
+                         "another --out")
+    items = read_items(opts.data)
+    train_items, held_out = split_eval(items, opts.eval_prompts)
+    train_items = train_items[:opts.max_samples]
+    if not train_items:
+        raise TrainError(f"{opts.data}: every item is held out for evaluation; lower --eval-prompts")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(opts.seed)
+    device = resolve_device(opts.device)
+    started = time.perf_counter()
+
+    cache = out / SAMPLES
+    cached = sum(1 for line in cache.open() if line.strip()) if cache.exists() else 0
+    gen = None
+    if cached < len(train_items):
+        gen = LLM(model=opts.model, dtype=opts.gen_dtype, device=opts.device,
+                  engine={"max_batch_size": opts.gen_batch_size, "max_num_tokens": 2048})
+    bar = tqdm(total=len(train_items), initial=min(cached, len(train_items)), desc="target answers",
+               unit="prompt", disable=not progress or gen is None)
+    samples = distill(gen, train_items, cache, opts.max_new_tokens,
+                      progress=lambda done, total: bar.update(done - bar.n))[:len(train_items)]
+    bar.close()
+    samples_time = time.perf_counter() - started
+    del gen
+    target = load_target(opts, device)
+    trainer: MethodTrainer = dtype.trainer_class(target, samples, dict(opts.trainer_options))
+    module = trainer.module()
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(samples) / opts.batch_size)
+    # --max-steps, when given, decides the length of the run (epochs repeat as needed).
+    total_steps = opts.max_steps or steps_per_epoch * opts.epochs
+    max_epochs = math.ceil(total_steps / steps_per_epoch)
+    state = {"step": 0, "epoch": 0, "batch": 0, "history": []}
+    if opts.resume and ckpt_path.exists():
+        saved = torch.load(ckpt_path, map_location=device, weights_only=False)
+        if saved["method"] != dtype.name:
+            raise TrainError(f"{ckpt_path} is a {saved['method']} run, not {dtype.name}")
+        module.load_state_dict(saved["module"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        log.info("resumed at step %d (epoch %d, batch %d)", state["step"], state["epoch"], state["batch"])
+
+    def checkpoint():
+        _save_checkpoint(ckpt_path, {"method": dtype.name, "module": module.state_dict(),
+                                     "optimizer": optimizer.state_dict(), "state": state,
+                                     "options": attrs.asdict(opts)})
+
+    module.train()
+    bar = tqdm(total=total_steps, initial=state["step"], desc=f"train {dtype.name}", disable=not progress)
+    train_started, tokens = time.perf_counter(), 0
+    try:
+        while state["step"] < total_steps and state["epoch"] < max_epochs:
+            batches = make_batches(samples, opts.batch_size, opts.seed, state["epoch"])
+            while state["batch"] < len(batches) and state["step"] < total_steps:
+                batch = collate([samples[i] for i in batches[state["batch"]]], opts.max_seq_len, target)
+                for group in optimizer.param_groups:
+                    group["lr"] = opts.lr * lr_factor(state["step"], opts.warmup_steps, total_steps)
+                loss, metrics = trainer.loss(batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                loss = loss.detach()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                state["step"] += 1
+                state["batch"] += 1
+                tokens += batch.num_tokens
+                state["history"].append({"step": state["step"], "loss": float(loss), **metrics})
+                rate = tokens / (time.perf_counter() - train_started)
+                bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{v:.3f}" for k, v in metrics.items()},
+                                tok_s=f"{rate:.0f}")
+                bar.update(1)
+                if state["step"] % opts.save_every == 0:
+                    checkpoint()
+            if state["batch"] >= len(batches):
+                state["epoch"] += 1
+                state["batch"] = 0
+    except KeyboardInterrupt:
+        checkpoint()
+        bar.close()
+        raise
+    bar.close()
+    checkpoint()
+    module.eval()
+    trainer.save(out)
+    train_seconds = time.perf_counter() - train_started
+    report = {"method": dtype.name, "target": target.name, "data": str(opts.data), "samples": len(samples),
+              "answer_tokens": sum(len(s.token_ids) - 1 - s.loss_start for s in samples),
+              "steps": state["step"], "epochs_done": state["epoch"], "batch_size": opts.batch_size, "lr": opts.lr,
+              "device": str(device), "threads": torch.get_num_threads(),
+              "data_seconds": round(samples_time, 1), "train_seconds_this_run": round(train_seconds, 1),
+              "final_loss": state["history"][-1]["loss"] if state["history"] else None,
+              "trainer_options": trainer.opts}
+    if held_out:
+        report["eval"] = evaluate(opts, trainer, held_out)
+    (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    return report
