@@ -2,6 +2,7 @@
 
 from .api import LLM, RequestOutput
 from .drafting import Drafter, DraftProposal, StepResult, TreeMask
+from .executor.model_runner import TargetModel, TargetParts
 from .hookspecs import hookimpl
 from .plugins import DecodingType
 from .sampling_params import SamplingParams
@@ -9,4 +10,4 @@ from .sampling_params import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "DecodingType", "DraftProposal", "Drafter", "RequestOutput", "SamplingParams", "StepResult",
-           "TreeMask", "hookimpl"]
+           "TargetModel", "TargetParts", "TreeMask", "hookimpl"]

@@ -8,10 +8,10 @@ SPECDEC=.venv/bin/specdec
 # 1. The prompt set (made here from the standard library's docstrings and templates; no
 #    benchmark or public evaluation prompts): 2400 prompts, the last 16 held out.
 $PY scripts/make_train_prompts.py --out training/prompts.jsonl --count 2400 --seed 0
-# 2. draft_target: the target answers the first ${DT_SAMPLES:-1152} prompts (bfloat16, greedy,
+# 2. draft_target: the target answers the first ${DT_SAMPLES:-2384} prompts (bfloat16, greedy,
 #    160 tokens), a 2-layer draft learns them.
 $SPECDEC train draft_target --data training/prompts.jsonl --out .train/draft_target \
-    --max-samples "${DT_SAMPLES:-1152}" --epochs "${DT_EPOCHS:-3}" --batch-size 8 --lr 1e-3 \
+    --max-samples "${DT_SAMPLES:-2384}" --epochs "${DT_EPOCHS:-4}" --batch-size 8 --lr 1e-3 \
     --set draft_layers=2 --set draft_vocab_size=8192 ${RESUME:+--resume}
 dest=plugins/spec_draft_target/specdec_draft_target/weights/smollm2-135m-instruct
 mkdir -p "$dest"

@@ -1,7 +1,8 @@
 """Draft-target speculation: a smaller model drafts, the target verifies.
 
 Options (defaults in brackets):
-    max_draft_len [4]: draft tokens per step (one draft-model forward each).
+    max_draft_len [2]: draft tokens per step (one draft-model forward each); 2 measured
+        best with the shipped draft on the embedded model (BENCHMARKS.md).
     speculative_model [the shipped draft on the embedded model, else none]: a model
         directory or .gguf with the target's vocabulary (checked at load: a mismatched
         tokenizer is an error naming both models), or a directory `specdec train
@@ -25,12 +26,11 @@ import copy
 import attrs
 import torch
 
-from specdec import DecodingType, Drafter, DraftProposal, hookimpl
+from specdec import DecodingType, Drafter, DraftProposal, TargetModel, hookimpl
 from specdec.config import SpeculativeConfig, in_range
 from specdec.draft_checkpoint import SECTION, check_target, load_draft_vocab, read_config
 from specdec.draft_runner import DraftInput, DraftRunner, causal_lm_forward
 from specdec.errors import ModelLoadError
-from specdec.executor.model_runner import TargetModel
 from specdec.models import EMBEDDED_NAME, load_causal_lm, load_tokenizer, resolve_model_dir
 from specdec.sampler import probs_from_logits
 
@@ -40,6 +40,7 @@ from .trainer import DraftTargetTrainer
 
 @attrs.frozen(kw_only=True)
 class DraftTargetConfig(SpeculativeConfig):
+    max_draft_len: int = attrs.field(default=2, validator=in_range(1, 64))
     speculative_model: str | None = None
     draft_layers: int | None = attrs.field(default=None, validator=in_range(1, None))
     draft_kv_cache_blocks: int = attrs.field(default=1024, validator=in_range(1, None))
@@ -158,4 +159,4 @@ def register_decoding_types(register):
                                       "or a layer-skip draft of the target"))
 
 
-__all__ = ["DraftTargetConfig", "DraftTargetDrafter", "DraftTargetTrainer"]
+__all__ = ["SHIPPED_DRAFT", "DraftTargetConfig", "DraftTargetDrafter", "DraftTargetTrainer"]

@@ -16,7 +16,7 @@ import torch
 
 from specdec.draft_checkpoint import (DRAFT_VOCAB_FILE, SECTION, load_state_checked, load_tensors, read_config,
                                       save_tensors)
-from specdec.executor.model_runner import TargetParts
+from specdec import TargetParts
 
 #: The draft shipped for the embedded SmolLM2-135M-Instruct (README, BENCHMARKS.md).
 SHIPPED_DRAFT = Path(__file__).parent / "weights" / "smollm2-135m-instruct"

@@ -73,3 +73,22 @@ def test_sampling_follows_target_distribution_through_core_sampler(pair):
     _, accepted = testing.check_sampling_lossless({"decoding_type": "draft_target", "speculative_model": str(draft),
                                                    "max_draft_len": 2}, target, prompt=[3, 4, 5, 6, 7])
     assert accepted > 0
+
+
+def test_shipped_draft_is_the_default_on_the_embedded_model_lossless_and_accepted():
+    """The trained draft shipped for SmolLM2: identical greedy output, many drafts accepted."""
+    from specdec_draft_target import SHIPPED_DRAFT
+
+    prompts = [[{"role": "user", "content": "Explain why the sky looks blue, in two sentences."}],
+               [{"role": "user", "content": "A box holds 12 eggs. How many eggs are in 7 boxes? Think step by step."}]]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain = LLM(dtype="float32").chat(prompts, params)
+    spec = LLM(dtype="float32", speculative_config={"decoding_type": "draft_target", "max_draft_len": 3})
+    assert spec.drafter.draft_vocab is not None and (SHIPPED_DRAFT / "config.json").exists()
+    got = spec.chat(prompts, params)
+    for a, b in zip(plain, got):
+        assert b.token_ids == a.token_ids
+    accepted = sum(o.metrics.num_accepted_tokens for o in got)
+    steps = sum(o.metrics.num_steps for o in got)
+    # an untrained layer-skip draft accepts ~3% of first draft tokens; the trained one far more
+    assert accepted > 0.3 * steps, (accepted, steps)

@@ -128,3 +128,10 @@ def test_bad_input_exits_nonzero_with_one_line(args, message, data, tmp_path, ca
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_train_help_lists_the_methods_that_train(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    assert "methods installed that train: draft_target" in capsys.readouterr().out
