@@ -93,7 +93,7 @@ class Engine:
         self.kv = KVCacheManager(cache, num_blocks, config.block_size, reuse)
         self.scheduler = Scheduler(config, self.kv)
         self.acceptance_rule = spec.acceptance_rule() if spec is not None else None
-        self._logged_faults: set[str] = set()
+        self._warned: set[str] = set()
         self.requests: dict[str, Request] = {}
         self.totals = RequestMetrics()
         self._ids = itertools.count()
@@ -210,8 +210,8 @@ class Engine:
         return items
 
     def _log_once(self, kind: str, message: str, *args) -> None:
-        if kind not in self._logged_faults:
-            self._logged_faults.add(kind)
+        if kind not in self._warned:
+            self._warned.add(kind)
             log.warning(message + " (logged once)", *args)
 
     def _fit_proposal(self, req: Request, prop: DraftProposal | None, max_depth: int,
