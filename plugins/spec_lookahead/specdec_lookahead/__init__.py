@@ -19,6 +19,7 @@ Options (TensorRT-LLM's names; defaults measured on the embedded model, BENCHMAR
 from __future__ import annotations
 
 import random
+import zlib
 
 import attrs
 import torch
@@ -56,7 +57,8 @@ class LookaheadDrafter(Drafter):
     def _state(self, req) -> LookaheadState:
         if "lookahead" not in req.drafter_state:
             req.drafter_state["lookahead"] = LookaheadState(req.token_ids, self.config.max_window_size,
-                                                            self.config.max_ngram_size, hash(req.request_id))
+                                                            self.config.max_ngram_size,
+                                                            zlib.crc32(req.request_id.encode()))
         return req.drafter_state["lookahead"]
 
     @hookimpl

@@ -58,3 +58,20 @@ def test_sampling_follows_target_distribution_through_core_sampler(tmp_path):
         testing.tiny_model_dir(tmp_path, vocab_size=32), prompt=[3, 4, 5, 3, 4, 5, 3, 4],
         params=SamplingParams(temperature=0.7, top_k=3), position=3)
     assert accepted > 0
+
+
+def test_the_window_seed_is_the_same_in_every_process():
+    """Python's str hash is salted per process; the window must not depend on it."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from specdec_lookahead import LookaheadDrafter, LookaheadState;"
+            "import types, zlib;"
+            "d = LookaheadDrafter.__new__(LookaheadDrafter);"
+            "d.config = types.SimpleNamespace(max_window_size=4, max_ngram_size=3);"
+            "r = types.SimpleNamespace(request_id='req-7', token_ids=list(range(100)), drafter_state={});"
+            "print(d._state(r).levels)")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(runs) == 1 and runs.pop().startswith("[[")
