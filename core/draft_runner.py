@@ -31,6 +31,7 @@ import torch
 from .executor.model_runner import ATTENTION_NAME, ForwardMetadata, probe_kv_shapes
 from .kernels import AttentionLayout, SequenceSlice
 from .kvcache import KVCacheManager, NoFreeBlocks, PagedKVCache
+from .tree import ancestor_mask, node_depths
 
 DraftForward = Callable[..., torch.Tensor]
 
@@ -70,14 +71,6 @@ class DraftInput:
     parents: list[int] | None = None
     features: dict[str, torch.Tensor] = attrs.Factory(dict)
     output_rows: list[int] | None = None
-
-
-def _ancestors(parents: list[int], node: int) -> list[int]:
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = parents[node]
-    return out
 
 
 class DraftRunner:
@@ -160,14 +153,12 @@ class DraftRunner:
             positions = inp.positions if inp.positions is not None else list(range(start, start + n))
             return SequenceSlice(block_table=seq.block_table, start=start, positions=torch.tensor(positions))
         parents = seq.pending_parents + list(inp.parents)
-        sees = torch.zeros(n, num_pending + n, dtype=torch.bool)
-        for i in range(n):
-            sees[i, _ancestors(parents, num_pending + i)] = True
+        # The tree's root is the last committed token: row/column 0 of the ancestor mask.
+        sees = ancestor_mask(parents)[1 + num_pending:, 1:]
         if inp.positions is not None:
             positions = inp.positions
         else:
-            depth = [len(_ancestors(parents, num_pending + i)) for i in range(n)]
-            positions = [seq.num_computed - 1 + d for d in depth]
+            positions = [seq.num_computed - 1 + d for d in node_depths(parents)[num_pending:]]
         return SequenceSlice(block_table=seq.block_table, start=start, positions=torch.tensor(positions),
                              tree_mask=sees[:, num_pending:],
                              pending_mask=sees[:, :num_pending] if num_pending else None,
