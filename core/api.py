@@ -127,7 +127,10 @@ class LLM:
         """Generate for one prompt or many (strings or token-id lists), batched continuously."""
         prompts = self._as_list(prompts)
         params = sampling_params or self.config.sampling
-        reqs = [(p, self.engine.add_request(self.encode(p), params)) for p in prompts]
+        encoded = [self.encode(p) for p in prompts]
+        for ids in encoded:  # all first: a bad prompt must not leave the good ones queued
+            self.engine.check_request(ids, params)
+        reqs = [(p, self.engine.add_request(ids, params)) for p, ids in zip(prompts, encoded)]
         while self.engine.has_unfinished():
             self.engine.step()
         return [self._output(p, r) for p, r in reqs]

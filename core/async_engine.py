@@ -3,12 +3,15 @@
 The engine is not thread-safe, so every call to it happens on its thread: callers post
 commands (add, abort) to a queue, and the thread alternates between draining that queue
 and running steps, publishing each request's new tokens to that request's asyncio queue.
-Concurrent clients thereby share the engine's continuous batching.
+Concurrent clients thereby share the engine's continuous batching. What a caller may read
+of a request (its text so far, how it ended, its metrics) travels in the update as a
+snapshot taken on the engine thread: the request object itself keeps changing there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -18,6 +21,7 @@ from concurrent.futures import Future
 import attrs
 
 from .api import LLM
+from .executor.metrics import RequestMetrics
 from .executor.request import Request
 from .sampling_params import SamplingParams
 
@@ -26,11 +30,18 @@ log = logging.getLogger(__name__)
 
 @attrs.define
 class Update:
-    """New tokens of a request, or its end (``finished``), or its failure (``error``)."""
+    """New tokens of a request, or its end (``finished``), or its failure (``error``), with
+    snapshots taken on the engine thread: ``text`` (the output so far, cut at a stop
+    string), ``num_output_tokens``, and on the last update ``finish_reason`` and a copy of
+    the request's ``metrics``."""
 
     new_token_ids: list[int]
     finished: bool = False
     error: str | None = None
+    text: str = ""
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None
 
 
 class AsyncEngine:
@@ -81,6 +92,12 @@ class AsyncEngine:
         if update.finished:
             del self._streams[request_id]
 
+    def _snapshot(self, req: Request, new_token_ids: list[int], error: str | None = None) -> Update:
+        finished = req.finished
+        return Update(list(new_token_ids), finished, error, text=self.llm.output_text(req),
+                      num_output_tokens=req.num_output_tokens, finish_reason=req.finish_reason if finished else None,
+                      metrics=copy.deepcopy(req.metrics) if finished else None)
+
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
@@ -93,8 +110,9 @@ class AsyncEngine:
             self._streams[req.request_id] = (loop, updates)
             added.set_result(req)
         elif kind == "abort":
+            req = self.engine.requests.get(command[1])
             self.engine.abort(command[1])
-            self._publish(command[1], Update([], finished=True))
+            self._publish(command[1], self._snapshot(req, []) if req is not None else Update([], finished=True))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -116,7 +134,7 @@ class AsyncEngine:
                     req.error = f"{type(exc).__name__}: {exc}"
                     self.engine.abort(req.request_id)
                     req.finish_reason = "error"
-                    self._publish(req.request_id, Update([], finished=True, error=req.error))
+                    self._publish(req.request_id, self._snapshot(req, [], error=req.error))
                 continue
             for out in outputs:
-                self._publish(out.request.request_id, Update(out.new_token_ids, out.finished))
+                self._publish(out.request.request_id, self._snapshot(out.request, out.new_token_ids))

@@ -23,13 +23,21 @@ from .prompt_sets import PROMPTS, load_jsonl, messages
 from .sampling_params import SamplingParams
 
 
+#: The warm-up request of every method: outside every measured set, so no drafter starts
+#: a measurement knowing its answer.
+WARMUP = [{"role": "user", "content": "Reply with one word: ready?"}]
+
+
 @attrs.define
 class CategoryResult:
     tokens: int = 0
     seconds: float = 0.0
     ttft: list[float] = attrs.Factory(list)
     tpot: list[float] = attrs.Factory(list)
+    latency: list[float] = attrs.Factory(list)
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)
+    outputs: list[list[int]] | None = None  # token ids of each request, in order (specdec methods)
+    identical: int | None = None  # outputs equal to plain decoding's
 
     @property
     def tokens_per_s(self) -> float:
@@ -39,24 +47,12 @@ class CategoryResult:
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         return {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
                 "time_to_first_token_s": mean(self.ttft), "time_per_output_token_s": mean(self.tpot),
+                "request_latency_s": mean(self.latency),
+                "identical_to_plain": None if self.identical is None else f"{self.identical}/{len(self.outputs)}",
                 "acceptance_length": self.metrics.acceptance_length,
                 "per_position_acceptance": self.metrics.per_position_acceptance,
-                "draft_time_share": self.metrics.draft_time / self.seconds if self.seconds else 0.0}
-
-
-class Progress:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int):
-        self.total, self.done = total, 0
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        filled = int(30 * self.done / self.total)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label:<40}")
-        if self.done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+                "draft_time_share": self.metrics.draft_time / self.seconds if self.seconds else 0.0,
+                "drafter_faults": self.metrics.num_drafter_faults}
 
 
 def method_config(base: SpecdecConfig, method: str) -> tuple[str, SpecdecConfig]:
@@ -71,8 +67,21 @@ def method_config(base: SpecdecConfig, method: str) -> tuple[str, SpecdecConfig]
     return method, config_from_dict(data)
 
 
+def concurrent_requests(conversations: list, batch_size: int) -> list:
+    """A category's requests at ``batch_size``: its prompts, and where it has fewer than
+    ``batch_size`` of them, copies made distinct by a numbered prefix of the last user
+    message ("(request 3) ..."), so a batch of N is N different requests."""
+    out = list(conversations)
+    for j in range(len(conversations), batch_size):
+        conv = conversations[j % len(conversations)]
+        out.append([*conv[:-1], {**conv[-1], "content": f"(request {j + 1}) {conv[-1]['content']}"}])
+    return out
+
+
 def run_llm(llm: LLM, conversations: list, params: SamplingParams, batch_size: int, res: CategoryResult) -> None:
-    """One pass of a method over one category's prompts, added into ``res``."""
+    """One pass of a method over one category's requests, ``batch_size`` submitted
+    together, added into ``res`` (throughput over the batch's wall time)."""
+    res.outputs = res.outputs if res.outputs is not None else []
     for i in range(0, len(conversations), batch_size):
         batch = [llm.apply_chat_template(c) for c in conversations[i:i + batch_size]]
         started = time.perf_counter()
@@ -81,9 +90,12 @@ def run_llm(llm: LLM, conversations: list, params: SamplingParams, batch_size: i
         for out in outs:
             m = out.metrics
             res.tokens += len(out.token_ids)
+            res.outputs.append(out.token_ids)
             res.metrics.merge(m)
             if m.time_to_first_token is not None:
                 res.ttft.append(m.time_to_first_token)
+            if m.finish_time:
+                res.latency.append(m.finish_time - m.arrival_time)
             if len(out.token_ids) > 1 and m.finish_time and m.first_token_time:
                 res.tpot.append((m.finish_time - m.first_token_time) / (len(out.token_ids) - 1))
 
@@ -117,7 +129,7 @@ def hf_systems(llm: LLM, max_tokens: int, assistant_layers: int) -> dict:
 def print_table(report: dict, file=sys.stdout) -> None:
     cats = report["categories"]
     print(f"{'method':<28}{'category':<18}{'tok/s':>8}{'speedup':>9}{'TTFT ms':>9}{'TPOT ms':>9}{'acc.len':>8}"
-          f"{'draft%':>8}  per-position acceptance", file=file)
+          f"{'draft%':>8}{'faults':>7}{'same':>7}  per-position acceptance", file=file)
     for method, per_cat in report["results"].items():
         for cat in cats + ["all"]:
             r = per_cat.get(cat)
@@ -127,7 +139,8 @@ def print_table(report: dict, file=sys.stdout) -> None:
             pos = " ".join(f"{x:.2f}" for x in r.get("per_position_acceptance", [])[:8])
             print(f"{method:<28}{cat:<18}{r['tokens_per_s']:>8.1f}{r['speedup_vs_plain']:>8.2f}x"
                   f"{ms(r.get('time_to_first_token_s')):>9}{ms(r.get('time_per_output_token_s')):>9}"
-                  f"{r.get('acceptance_length', 0):>8.2f}{100 * r.get('draft_time_share', 0):>7.1f}%  {pos}", file=file)
+                  f"{r.get('acceptance_length', 0):>8.2f}{100 * r.get('draft_time_share', 0):>7.1f}%"
+                  f"{r.get('drafter_faults', 0):>7}{r.get('identical_to_plain') or '-':>7}  {pos}", file=file)
 
 
 def plot(report: dict, out_dir: Path) -> list[Path]:
@@ -175,7 +188,11 @@ def _with_all(per_cat: dict[str, CategoryResult]) -> dict[str, CategoryResult]:
         total.seconds += r.seconds
         total.ttft += r.ttft
         total.tpot += r.tpot
+        total.latency += r.latency
         total.metrics.merge(r.metrics)
+        if r.outputs is not None:
+            total.outputs = (total.outputs or []) + r.outputs
+            total.identical = (total.identical or 0) + (r.identical or 0)
     return {**per_cat, "all": total}
 
 
@@ -188,37 +205,55 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
         if unknown:
             raise ValueError(f"unknown categories {unknown}; available: {sorted(prompt_sets)}")
         prompt_sets = {c: prompt_sets[c] for c in categories}
+    prompt_sets = {c: concurrent_requests(convs, batch_size) for c, convs in prompt_sets.items()}
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
     names = ["plain"] + [m for m in methods if m != "plain"]
-    llms = {}
-    for label, cfg in (method_config(base, m) for m in names):
-        llms[label] = LLM(config=cfg)
-        llms[label].generate([llms[label].apply_chat_template(messages("chat")[0])],
-                             SamplingParams(max_tokens=4, temperature=0.0))
-    first_llm = llms["plain"]
-    systems = hf_systems(first_llm, max_tokens, assistant_layers) if compare_hf else {}
-    runners = {label: (lambda convs, res, llm=llm: run_llm(llm, convs, params, batch_size, res))
-               for label, llm in llms.items()}
-    runners.update(systems)
-    raw: dict[str, dict[str, CategoryResult]] = {name: {c: CategoryResult() for c in prompt_sets} for name in runners}
-    progress = Progress(repetitions * len(prompt_sets) * len(runners))
-    # Interleaved, category by category, so a machine that slows down mid-run biases no method.
-    for _ in range(repetitions):
+    configs = dict(method_config(base, m) for m in names)
+
+    def fresh_llms() -> dict[str, LLM]:
+        """Every method with a fresh drafter (pools, draft caches), warmed up outside the sets."""
+        llms = {label: LLM(config=cfg) for label, cfg in configs.items()}
+        for llm in llms.values():
+            llm.generate([llm.apply_chat_template(WARMUP)], SamplingParams(max_tokens=4, temperature=0.0))
+        return llms
+
+    from tqdm import tqdm  # the progress bar `specdec train` uses too: rate and ETA
+
+    llms = fresh_llms()
+    systems = hf_systems(llms["plain"], max_tokens, assistant_layers) if compare_hf else {}
+    labels = list(llms) + list(systems)
+    raw: dict[str, dict[str, CategoryResult]] = {name: {c: CategoryResult() for c in prompt_sets} for name in labels}
+    progress = tqdm(total=repetitions * len(prompt_sets) * len(labels), desc="bench", unit="run", file=sys.stderr)
+    for rep in range(repetitions):
+        if rep:  # a repetition must not find the previous one's answers in a drafter's pool
+            del llms
+            llms = fresh_llms()
+        runners = {label: (lambda convs, res, llm=llm: run_llm(llm, convs, params, batch_size, res))
+                   for label, llm in llms.items()}
+        runners.update(systems)
+        # Interleaved, category by category, so a machine that slows down mid-run biases no method.
         for category, conversations in prompt_sets.items():
             for name, run in runners.items():
+                progress.set_postfix_str(f"{name}: {category}")
                 run(conversations, raw[name][category])
-                progress.step(f"{name}: {category}")
+                progress.update(1)
+    progress.close()
+    for per_cat in raw.values():
+        for cat, r in per_cat.items():
+            if r.outputs is not None:
+                r.identical = sum(a == b for a, b in zip(r.outputs, raw["plain"][cat].outputs))
     raw = {name: _with_all(per_cat) for name, per_cat in raw.items()}
     results = {}
     for name, per_cat in raw.items():
         results[name] = {}
         for cat, r in per_cat.items():
             s = r.summary()
-            plain = raw["plain"][cat].tokens_per_s
-            s["speedup_vs_plain"] = s["tokens_per_s"] / plain if plain else 0.0
+            base = raw["plain"][cat].tokens_per_s
+            s["speedup_vs_plain"] = s["tokens_per_s"] / base if base else 0.0
             results[name][cat] = s
-    return {"model": first_llm.target.name, "dtype": str(first_llm.dtype).replace("torch.", ""),
-            "device": str(first_llm.device), "threads": torch.get_num_threads(), "batch_size": batch_size,
+    plain = llms["plain"]
+    return {"model": plain.target.name, "dtype": str(plain.dtype).replace("torch.", ""), "device": str(plain.device),
+            "threads": torch.get_num_threads(), "batch_size": batch_size,
             "temperature": temperature, "max_tokens": max_tokens, "repetitions": repetitions,
             "categories": list(prompt_sets), "results": results}
 

@@ -82,7 +82,7 @@ def _print_stats(outputs, elapsed: float, file=sys.stderr) -> None:
     print(f"\n[specdec] {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tok/s; "
           f"target steps {total.num_steps}, acceptance length {total.acceptance_length:.2f}, "
           f"draft tokens {total.num_draft_tokens}, accepted {total.num_accepted_tokens}, "
-          f"per-position acceptance [{per_pos}]", file=file)
+          f"per-position acceptance [{per_pos}], drafter faults {total.num_drafter_faults}", file=file)
 
 
 def cmd_plugins(args) -> int:
@@ -98,8 +98,8 @@ def cmd_plugins(args) -> int:
         status = "ready" if r["implemented"] else "not implemented yet"
         if r["trainable"]:
             status += ", trains (specdec train)"
-        if not r["lossless"]:
-            status += " (lossy)"
+        if r["lossy_options"]:
+            status += f"; lossy with {', '.join(r['lossy_options'])}"
         print(f"{r['name']:<14} {', '.join(r['aliases']):<22} {r['distribution']:<30} {r['version']:<8} {status}")
     for f in registry.failures:
         print(f"FAILED  {f.plugin} ({f.distribution}): {f.error}")

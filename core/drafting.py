@@ -85,6 +85,40 @@ class DraftProposal:
         return node_depths(self.parents)
 
 
+def proposal_problem(proposal, vocab_size: int) -> str | None:
+    """What is wrong with a drafter's proposal for a target of ``vocab_size`` tokens, or
+    None. Checked by the engine on every proposal, since a drafter may build one field by
+    field after construction."""
+    if not isinstance(proposal, DraftProposal):
+        return f"expected a DraftProposal or None, got {type(proposal).__name__}"
+    bad = [t for t in [*proposal.token_ids, *proposal.aux_token_ids]
+           if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        return f"token ids {bad[:3]} are not in the vocabulary 0..{vocab_size - 1}"
+    n = len(proposal.token_ids)
+    parents = proposal.parents
+    if len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
+        return f"parents {list(parents)[:8]} do not describe a tree of {n} nodes, parents first"
+    if proposal.draft_probs is not None and tuple(proposal.draft_probs.shape) != (n, vocab_size):
+        return f"draft_probs has shape {tuple(proposal.draft_probs.shape)}, expected ({n}, {vocab_size})"
+    if len(proposal.aux_token_ids) != len(proposal.aux_position_offsets):
+        return "aux_token_ids and aux_position_offsets differ in length"
+    return None
+
+
+def tree_mask_problem(mask, num_tokens: int) -> str | None:
+    """What is wrong with a ``build_tree_mask`` result for ``num_tokens`` step tokens, or None."""
+    if not isinstance(mask, TreeMask):
+        return f"expected a TreeMask, got {type(mask).__name__}"
+    if tuple(mask.mask.shape) != (num_tokens, num_tokens) or mask.mask.dtype != torch.bool:
+        return f"mask is {mask.mask.dtype} {tuple(mask.mask.shape)}, expected bool ({num_tokens}, {num_tokens})"
+    if tuple(mask.position_offsets.shape) != (num_tokens,):
+        return f"position_offsets has shape {tuple(mask.position_offsets.shape)}, expected ({num_tokens},)"
+    if not bool(mask.mask.diagonal().all()) or not bool(mask.mask[:, 0].all()):
+        return "every token must see itself and the root"
+    return None
+
+
 @attrs.define
 class TreeMask:
     """Attention among the tokens of one verification step of one request.

@@ -58,7 +58,10 @@ class DecodingType:
         trainer_class: ``trainer_class(target, samples, options)`` trains the method's
             drafter for ``specdec train`` (a :class:`specdec.training.MethodTrainer`);
             ``None`` for methods with nothing to train.
-        lossless: False for opt-in modes that change the output distribution.
+        lossy_options: the method's options that switch on an opt-in acceptance rule that
+            changes the output (Medusa's typical acceptance, MTP's relaxed acceptance);
+            ``specdec plugins`` names them, and requests verified by such a rule have
+            ``metrics.lossless`` False. Empty: the method is always lossless.
         description: one line for ``specdec plugins``.
         plugin, distribution, version: filled in by the registry.
     """
@@ -68,7 +71,7 @@ class DecodingType:
     drafter_class: Callable | None = None
     trainer_class: Callable | None = None
     aliases: tuple[str, ...] = ()
-    lossless: bool = True
+    lossy_options: tuple[str, ...] = ()
     description: str = ""
     plugin: str = ""
     distribution: str = ""
@@ -195,7 +198,7 @@ class PluginRegistry:
     def plugins_table(self) -> list[dict]:
         return [{"name": t.name, "aliases": list(t.aliases), "distribution": t.distribution, "version": t.version,
                  "implemented": t.drafter_class is not None, "trainable": t.trainer_class is not None,
-                 "lossless": t.lossless,
+                 "lossy_options": list(t.lossy_options),
                  "hooks": t.hooks_implemented(), "description": t.description}
                 for t in sorted(self.types.values(), key=lambda t: t.name)]
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 import attrs
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from .api import LLM
@@ -53,42 +53,82 @@ class ChatRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-class ServerMetrics:
-    """Counters behind /metrics: requests by outcome and tokens here, speculation from the
-    engine's own totals (every finished request, aborted ones included)."""
+class _EngineCollector:
+    """Speculation counters and engine gauges, read from the engine when /metrics is scraped
+    (the engine keeps them; finished requests, aborted ones included)."""
 
-    def __init__(self):
-        self.requests = {"ok": 0, "error": 0, "aborted": 0}
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        engine, totals = self.engine, self.engine.totals
+        pool = engine.kv.pool
+        for name, doc, value in (("specdec_draft_tokens", "draft tokens proposed", totals.num_draft_tokens),
+                                 ("specdec_accepted_tokens", "draft tokens accepted", totals.num_accepted_tokens),
+                                 ("specdec_target_steps", "target forwards while decoding", totals.num_steps),
+                                 ("specdec_preemptions", "running requests preempted for KV room",
+                                  engine.scheduler.num_preemptions)):
+            yield CounterMetricFamily(name, doc, value=value)
+        faults = CounterMetricFamily("specdec_drafter_faults", "steps whose drafts a failing drafter cost",
+                                     labels=["decoding_type"])
+        faults.add_metric([engine.spec.decoding_type if engine.spec else "none"], totals.num_drafter_faults)
+        yield faults
+        yield GaugeMetricFamily("specdec_acceptance_length", "mean tokens per target step, finished requests",
+                                value=totals.acceptance_length)
+        per_position = GaugeMetricFamily("specdec_per_position_acceptance", "acceptance rate by draft position",
+                                         labels=["position"])
+        for i, rate in enumerate(totals.per_position_acceptance):
+            per_position.add_metric([str(i + 1)], rate)
+        yield per_position
+        for name, doc, value in (("specdec_queue_depth", "requests waiting", len(engine.scheduler.waiting)),
+                                 ("specdec_running_requests", "requests running", len(engine.scheduler.running)),
+                                 ("specdec_kv_cache_usage", "share of KV blocks in use", pool.usage()),
+                                 ("specdec_kv_cache_blocks", "KV blocks in the pool", pool.num_blocks)):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    """/metrics through prometheus_client: requests by outcome, tokens, histograms of each
+    request's acceptance length, time to first token and time per output token, and the
+    engine's speculation counters and gauges (:class:`_EngineCollector`)."""
+
+    def __init__(self, engine):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("specdec_requests", "requests by outcome", ["outcome"], registry=self.registry)
+        for outcome in ("ok", "error", "aborted"):
+            self.requests.labels(outcome)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "prompt tokens", registry=self.registry)
+        self.generation_tokens = Counter("specdec_generation_tokens", "generated tokens", registry=self.registry)
+        self.acceptance = Histogram("specdec_request_acceptance_length", "tokens per target step, per request",
+                                    buckets=(1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0),
+                                    registry=self.registry)
+        self.ttft = Histogram("specdec_time_to_first_token_seconds", "time to first token", registry=self.registry)
+        self.tpot = Histogram("specdec_time_per_output_token_seconds", "time per output token after the first",
+                              buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0),
+                              registry=self.registry)
+        self.registry.register(_EngineCollector(engine))
 
     def finish(self, metrics: RequestMetrics, completion_tokens: int, outcome: str) -> None:
-        self.requests[outcome] += 1
-        self.prompt_tokens += metrics.num_prompt_tokens
-        self.completion_tokens += completion_tokens
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(metrics.num_prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if outcome != "ok":
+            return
+        if metrics.num_steps:
+            self.acceptance.observe(metrics.acceptance_length)
+        if metrics.time_to_first_token is not None:
+            self.ttft.observe(metrics.time_to_first_token)
+        if completion_tokens > 1 and metrics.finish_time and metrics.first_token_time:
+            self.tpot.observe((metrics.finish_time - metrics.first_token_time) / (completion_tokens - 1))
 
-    def render(self, engine) -> str:
-        pool, totals = engine.kv.pool, engine.totals
-        lines = [
-            "# TYPE specdec_requests_total counter",
-            *(f'specdec_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()),
-            "# TYPE specdec_prompt_tokens_total counter", f"specdec_prompt_tokens_total {self.prompt_tokens}",
-            "# TYPE specdec_generation_tokens_total counter",
-            f"specdec_generation_tokens_total {self.completion_tokens}",
-            "# TYPE specdec_draft_tokens_total counter", f"specdec_draft_tokens_total {totals.num_draft_tokens}",
-            "# TYPE specdec_accepted_tokens_total counter",
-            f"specdec_accepted_tokens_total {totals.num_accepted_tokens}",
-            "# TYPE specdec_target_steps_total counter", f"specdec_target_steps_total {totals.num_steps}",
-            "# TYPE specdec_acceptance_length gauge", f"specdec_acceptance_length {totals.acceptance_length:.6f}",
-            "# TYPE specdec_per_position_acceptance gauge",
-            *(f'specdec_per_position_acceptance{{position="{i + 1}"}} {r:.6f}'
-              for i, r in enumerate(totals.per_position_acceptance)),
-            "# TYPE specdec_queue_depth gauge", f"specdec_queue_depth {len(engine.scheduler.waiting)}",
-            "# TYPE specdec_running_requests gauge", f"specdec_running_requests {len(engine.scheduler.running)}",
-            "# TYPE specdec_kv_cache_usage gauge", f"specdec_kv_cache_usage {pool.usage():.6f}",
-            "# TYPE specdec_kv_cache_blocks gauge", f"specdec_kv_cache_blocks {pool.num_blocks}",
-        ]
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
 
 
 def _params(body: _SamplingFields, defaults: SamplingParams) -> SamplingParams:
@@ -97,15 +137,16 @@ def _params(body: _SamplingFields, defaults: SamplingParams) -> SamplingParams:
     return attrs.evolve(defaults, **given)
 
 
-def _usage(req, metrics: RequestMetrics) -> dict:
-    completion = req.num_output_tokens
+def _usage(req, update) -> dict:
+    """Usage from the final update's snapshot (``req`` only for its fixed prompt length)."""
+    completion = update.num_output_tokens
     return {"prompt_tokens": req.prompt_len, "completion_tokens": completion,
-            "total_tokens": req.prompt_len + completion, "speculative": metrics.as_dict()}
+            "total_tokens": req.prompt_len + completion, "speculative": update.metrics.as_dict()}
 
 
 def create_app(llm: LLM) -> FastAPI:
     engine = AsyncEngine(llm)
-    stats = ServerMetrics()
+    stats = ServerMetrics(llm.engine)
     model_name = llm.target.name
 
     @contextlib.asynccontextmanager
@@ -118,7 +159,7 @@ def create_app(llm: LLM) -> FastAPI:
 
     @app.exception_handler(SpecdecError)
     async def specdec_error(_request, exc: SpecdecError):
-        stats.requests["error"] += 1
+        stats.requests.labels("error").inc()
         return JSONResponse(status_code=400, content={"error": {"message": str(exc), "type": "invalid_request_error"}})
 
     @app.get("/health")
@@ -132,7 +173,9 @@ def create_app(llm: LLM) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(stats.render(llm.engine))
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(stats.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def run(http: HTTPRequest, token_ids: list[int], params: SamplingParams, chat: bool, stream: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -141,27 +184,26 @@ def create_app(llm: LLM) -> FastAPI:
         updates = engine.generate(token_ids, params)
         first = await updates.__anext__()  # raises RequestError (-> 400) before any byte is sent
 
-        def finish(req, outcome="ok"):
-            stats.finish(req.metrics, req.num_output_tokens, outcome)
+        def finish(update, outcome="ok"):
+            stats.finish(update.metrics or RequestMetrics(), update.num_output_tokens, outcome)
 
         if not stream:
             req, update = first
             while not update.finished:
                 if await http.is_disconnected():
                     await updates.aclose()
-                    finish(req, "aborted")
+                    finish(update, "aborted")
                     return JSONResponse(status_code=499, content={"error": {"message": "client disconnected"}})
                 req, update = await updates.__anext__()
             if update.error:
-                finish(req, "error")
+                finish(update, "error")
                 return JSONResponse(status_code=500, content={"error": {"message": update.error}})
-            finish(req)
-            text = llm.output_text(req)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                      else {"index": 0, "text": text, "logprobs": None})
-            choice["finish_reason"] = req.finish_reason
+            finish(update)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": update.text}} if chat
+                      else {"index": 0, "text": update.text, "logprobs": None})
+            choice["finish_reason"] = update.finish_reason
             return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                    "usage": _usage(req, req.metrics)}
+                    "usage": _usage(req, update)}
 
         async def events():
             shown = ""
@@ -171,7 +213,7 @@ def create_app(llm: LLM) -> FastAPI:
                            None, chat)
             try:
                 while True:
-                    text = llm.output_text(req)
+                    text = update.text
                     if len(text) > len(shown) and not text.endswith("\ufffd"):
                         yield _sse(rid, f"{kind}.chunk" if chat else kind, created, model_name,
                                    text[len(shown):], None, chat)
@@ -179,14 +221,14 @@ def create_app(llm: LLM) -> FastAPI:
                     if update.finished:
                         break
                     req, update = await updates.__anext__()
-                finish(req, "error" if update.error else "ok")
-                yield _sse(rid, f"{kind}.chunk" if chat else kind, created, model_name, "", req.finish_reason, chat,
-                           usage=_usage(req, req.metrics))
+                finish(update, "error" if update.error else "ok")
+                yield _sse(rid, f"{kind}.chunk" if chat else kind, created, model_name, "", update.finish_reason,
+                           chat, usage=_usage(req, update))
                 yield "data: [DONE]\n\n"
             finally:
-                if not req.finished:  # the client went away mid-stream
+                if not update.finished:  # the client went away mid-stream
                     engine.abort(req.request_id)
-                    finish(req, "aborted")
+                    finish(update, "aborted")
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -74,6 +74,24 @@ def tiny_model_dir(directory: str | Path, arch: str = "llama", vocab_size: int =
     return directory
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (or where the shorter one ends), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def near_tie_at(model, prompt: list[int], output: list[int], index: int, tol: float = 1e-4) -> tuple[bool, float]:
+    """Whether the stock transformers ``model``'s top-2 logits after ``prompt + output[:index]``
+    are within ``tol`` (a divergence there is rounding, not a bug), and their gap."""
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt) + list(output[:index])])).logits[0, -1].float()
+    top = logits.topk(2).values
+    gap = float(top[0] - top[1])
+    return gap <= tol, gap
+
+
 def check_registration(name: str, distribution: str | None = None) -> DecodingType:
     """The decoding type is found through its entry point, with a sound config and documented hooks."""
     registry = get_registry()
@@ -113,8 +131,14 @@ def check_config_round_trip(options: dict) -> SpeculativeConfig:
 
 
 def check_greedy_lossless(options: dict, model: str | Path | None = None, prompts: list | None = None,
-                          max_tokens: int = 24, dtype: str = "float32"):
-    """Greedy output with the drafter equals plain greedy output, token for token.
+                          max_tokens: int = 24, dtype: str = "float32", min_accepted: int = 1):
+    """Greedy output with the drafter equals plain greedy output, token for token, and the
+    drafter really took part: it proposed draft tokens, and at least ``min_accepted`` of
+    them were accepted over all prompts (a drafter that never drafts, or always fails,
+    would otherwise pass). The default prompts repeat a random sequence, which drafters
+    that read the context predict; give ``min_accepted=0`` only for a drafter that cannot
+    predict the model at all (an untrained head on a random model) and check acceptance
+    in another test.
 
     ``model`` defaults to a tiny random Llama; prompts are token-id lists by default so a
     model without a tokenizer works. Returns the speculative outputs.
@@ -130,6 +154,12 @@ def check_greedy_lossless(options: dict, model: str | Path | None = None, prompt
     for i, (a, b) in enumerate(zip(plain, spec)):
         assert a.token_ids == b.token_ids, (f"prompt {i}: speculative greedy output differs from plain greedy output:"
                                             f"\nplain {a.token_ids}\nspec  {b.token_ids}")
+    drafted = sum(o.metrics.num_draft_tokens for o in spec)
+    accepted = sum(o.metrics.num_accepted_tokens for o in spec)
+    faults = sum(o.metrics.num_drafter_faults for o in spec)
+    assert drafted > 0, f"the drafter proposed no draft tokens ({faults} drafter faults): nothing was verified"
+    assert accepted >= min_accepted, (f"{accepted} of {drafted} draft tokens accepted, expected at least "
+                                      f"{min_accepted}: the drafter does not predict the target")
     return spec
 
 

@@ -5,22 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec import Drafter, DraftProposal, hookimpl
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def near_tie_at(model, prompt: list[int], output: list[int], index: int, tol: float = 1e-4) -> tuple[bool, float]:
-    """Whether the stock model's top-2 logits at output position ``index`` are within ``tol``."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output[:index]])).logits[0, -1].float()
-    top = logits.topk(2).values
-    gap = float(top[0] - top[1])
-    return gap <= tol, gap
+from specdec.testing import first_divergence, near_tie_at  # noqa: F401 - re-exported for the tests
 
 
 class OracleDrafter(Drafter):

@@ -17,17 +17,19 @@ def test_bench_builtin_sets_table_json_and_plots(tmp_path):
                      "--dtype", "float32", "--json", str(out), "--plots", str(tmp_path / "plots"))
     assert result.returncode == 0, result.stderr
     assert "speedup" in result.stdout and "ngram" in result.stdout
-    assert "[##############################] 4/4" in result.stderr  # the progress bar finished
+    assert "bench: 100%" in result.stderr and "4/4" in result.stderr  # the progress bar finished
     report = json.loads(out.read_text())
     assert report["categories"] == ["summarization", "chat"]
     plain, ngram = report["results"]["plain"], report["results"]["ngram"]
     for cat in ("summarization", "chat", "all"):
-        assert plain[cat]["speedup_vs_plain"] == 1.0
         assert abs(ngram[cat]["speedup_vs_plain"] - ngram[cat]["tokens_per_s"] / plain[cat]["tokens_per_s"]) < 1e-9
         assert ngram[cat]["time_to_first_token_s"] > 0 and ngram[cat]["time_per_output_token_s"] > 0
     assert ngram["summarization"]["acceptance_length"] > 1.0
     assert len(ngram["all"]["per_position_acceptance"]) == 12
     assert 0.0 <= ngram["all"]["draft_time_share"] < 1.0
+    # float32: speculative output is the plain output, and the report says so per method
+    assert ngram["all"]["identical_to_plain"] == plain["all"]["identical_to_plain"] == "2/2"
+    assert ngram["all"]["drafter_faults"] == 0 and ngram["all"]["request_latency_s"] > 0
     for name in ("speedup.png", "acceptance.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -38,12 +40,51 @@ def test_bench_user_jsonl_and_its_errors(tmp_path):
                     + json.dumps({"messages": [{"role": "user", "content": "Say hi."}]}) + "\n")
     out = tmp_path / "r.json"
     result = specdec("bench", "ngram", "--dataset", str(data), "--max-tokens", "8", "--dtype", "float32",
-                     "--batch-size", "2", "--json", str(out))
+                     "--batch-size", "3", "--repetitions", "2", "--json", str(out))
     assert result.returncode == 0, result.stderr
-    assert json.loads(out.read_text())["categories"] == ["repeat", "custom"]
+    report = json.loads(out.read_text())
+    assert report["categories"] == ["repeat", "custom"] and report["batch_size"] == 3
+    # three distinct concurrent requests per category, in each of two repetitions
+    assert report["results"]["ngram"]["repeat"]["identical_to_plain"] == "6/6"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
     result = specdec("bench", "--dataset", str(bad))
     assert result.returncode == 2 and "bad.jsonl:1: expected" in result.stderr
     result = specdec("bench", "--categories", "poetry")
     assert result.returncode == 2 and "unknown categories ['poetry']" in result.stderr
+
+
+def test_concurrent_requests_are_distinct():
+    from specdec.bench import concurrent_requests
+
+    convs = [[{"role": "user", "content": "Say hi."}]]
+    batch = concurrent_requests(convs, 3)
+    assert [c[-1]["content"] for c in batch] == ["Say hi.", "(request 2) Say hi.", "(request 3) Say hi."]
+    assert concurrent_requests(convs * 4, 2) == convs * 4
+
+
+def test_each_repetition_starts_from_fresh_drafters_warmed_up_outside_the_sets(monkeypatch):
+    """Issue 10: with ngram's public pool, a second repetition used to copy the first one's
+    answers, and the warm-up ran the measured chat prompt."""
+    from specdec import bench
+    from specdec.config import SpecdecConfig
+
+    built, prompts_seen = [], []
+
+    class Spy(bench.LLM):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            built.append(self)
+
+        def generate(self, prompts, params=None):
+            prompts_seen.extend(self.decode(p) for p in prompts)
+            return super().generate(prompts, params)
+
+    monkeypatch.setattr(bench, "LLM", Spy)
+    report = bench.run_bench(SpecdecConfig(dtype="float32"), ["ngram"], None, ["chat"], batch_size=1,
+                             temperature=0.0, max_tokens=4, repetitions=2, compare_hf=False)
+    assert len(built) == 4  # plain and ngram, built again for the second repetition
+    measured = bench.messages("chat")[0][0]["content"]
+    warmups = [p for p in prompts_seen if "ready?" in p]
+    assert len(warmups) == 4 and not any(measured in w for w in warmups)
+    assert report["results"]["ngram"]["chat"]["identical_to_plain"] == "2/2"

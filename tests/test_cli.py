@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 
 def specdec(*args, input=None):
@@ -26,13 +25,6 @@ def test_config_check_prints_resolved_config_and_fails_on_errors(tmp_path):
     assert result.returncode == 2
     assert "speculative_config.max_draft_lenn: unknown key (did you mean max_draft_len?)" in result.stderr
     assert "Traceback" not in result.stderr
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from specdec import testing
-
-    return str(testing.tiny_model_dir(tmp_path_factory.mktemp("cli")))
 
 
 def test_generate_streams_text_and_prints_stats():

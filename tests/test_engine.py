@@ -5,7 +5,7 @@ import torch
 from conftest import reference_greedy
 from helpers import first_divergence, near_tie_at
 
-from specdec import LLM, DraftProposal, SamplingParams, hookimpl
+from specdec import LLM, DraftProposal, SamplingParams, TreeMask, hookimpl
 from specdec.errors import KVCacheFullError, RequestError
 
 PROMPTS = [
@@ -207,6 +207,7 @@ def test_engine_applies_an_opt_in_lossy_rule(tiny_models):
     assert b.metrics.num_accepted_tokens == b.metrics.num_draft_tokens  # every draft accepted
     assert a.metrics.num_accepted_tokens < a.metrics.num_draft_tokens
     assert a.token_ids != b.token_ids
+    assert a.metrics.lossless and not b.metrics.lossless  # the lossy run is labelled so
 
 
 def test_kv_pool_sized_by_memory_fraction(tiny_models):
@@ -299,3 +300,163 @@ def test_a_preempted_request_whose_context_is_all_cached_still_finishes(smol):
         assert steps < 2000, "the engine stopped making progress"
     roomy = smol.generate(prompts, params)  # a cache with room to spare
     assert [r.output_token_ids for r in reqs] == [o.token_ids for o in roomy]
+
+
+STOP_PROMPTS = [[{"role": "user", "content": "List the days of the week, one per line."}],
+                [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]]
+
+
+@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft_target", "eagle", "eagle3"])
+def test_stop_strings_end_speculative_output_at_the_same_token_as_plain_output(smol, method):
+    """Accepted drafts past the token completing a stop string are dropped (issue 10)."""
+    params = SamplingParams(max_tokens=64, temperature=0.0, stop=["Thursday", "7,"])
+    plain = smol.chat(STOP_PROMPTS, params)
+    assert [o.finish_reason for o in plain] == ["stop", "stop"]
+    got = LLM(dtype="float32", speculative_config={"decoding_type": method}).chat(STOP_PROMPTS, params)
+    for a, b in zip(plain, got):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, "stop")
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0 or method in ("ngram", "lookahead")
+
+
+def test_a_bad_prompt_among_good_ones_queues_none_of_them(smol):
+    """Issue 10: the good prompts before a bad one used to stay queued and run in the next call."""
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        smol.generate([[1, 2, 3], [4, 5, 6], [10**9]], params)
+    assert not smol.engine.has_unfinished() and not smol.engine.requests
+    outs = smol.generate([[7, 8, 9]], params)
+    assert len(outs) == 1 and len(outs[0].token_ids) == 4
+
+
+class _FaultyOracle:
+    """Drafts each prompt's true greedy continuation, except where ``fault`` breaks it."""
+
+    def __init__(self, fault: str, oracle: dict, victim: int):
+        self.fault, self.oracle, self.victim = fault, oracle, victim  # victim: prompt length to break
+
+    @hookimpl
+    def prepare_draft_tokens(self, requests, draft_lens, max_nodes):
+        if self.fault == "raise":
+            raise RuntimeError("drafter bug")
+        out = []
+        for req, k in zip(requests, draft_lens):
+            done = req.num_output_tokens
+            tokens = self.oracle[tuple(req.token_ids[:req.prompt_len])][done:done + k]
+            if not tokens:
+                out.append(None)
+            elif self.fault == "bad_ids" and req.prompt_len == self.victim:
+                out.append(DraftProposal(token_ids=[10**6, *tokens[1:]]))
+            elif self.fault == "bad_probs" and req.prompt_len == self.victim:
+                out.append(DraftProposal(token_ids=tokens, draft_probs=torch.ones(len(tokens), 3)))
+            else:
+                out.append(DraftProposal(token_ids=tokens))
+        return out
+
+    @hookimpl
+    def build_tree_mask(self, request, proposal):
+        if self.fault == "mask_raises" and request.prompt_len == self.victim:
+            raise ValueError("mask bug")
+        if self.fault == "bad_mask" and request.prompt_len == self.victim:
+            return TreeMask(mask=torch.ones(1, 1, dtype=torch.bool), position_offsets=torch.arange(1))
+        return None
+
+    @hookimpl
+    def on_draft_verified(self, results):
+        if self.fault == "verified_raises":
+            raise RuntimeError("observer bug")
+
+
+@pytest.mark.parametrize("fault", ["raise", "bad_ids", "bad_probs", "mask_raises", "bad_mask", "verified_raises"])
+def test_drafter_faults_cost_drafts_never_output_and_are_counted(tiny_models, fault, caplog):
+    """Issue 10: every proposal is validated and every drafter hook guarded; a fault drops
+    that request's drafts for the step only, is counted per request and logged once."""
+    model = str(tiny_models["llama"])
+    prompts = [[i + 1, i + 2, i + 3] * 4 for i in range(2)] + [[9, 8, 7, 6, 5]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=model, dtype="float32").generate(prompts, params)
+    oracle = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    llm = LLM(model=model, dtype="float32", speculative_config={
+        "decoding_type": "user", "drafter": _FaultyOracle(fault, oracle, victim=5), "max_draft_len": 3})
+    with caplog.at_level("ERROR", logger="specdec.executor.engine"):
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
+    faults = [o.metrics.num_drafter_faults for o in outs]
+    logged = [r for r in caplog.records if "decode without drafts" in r.getMessage()]
+    assert len(logged) == 1 and sum(llm.engine.drafter_faults.values()) == sum(faults)
+    # every step that drafts (all but the last, which has no room left for drafts)
+    if fault in ("raise", "verified_raises"):  # every request
+        assert all(f >= o.metrics.num_steps - 1 > 0 for f, o in zip(faults, outs))
+    else:  # only the victim; the others keep their accepted drafts
+        assert faults[2] >= outs[2].metrics.num_steps - 1 > 0 and outs[2].metrics.num_accepted_tokens == 0
+        assert faults[:2] == [0, 0] and all(o.metrics.num_accepted_tokens > 0 for o in outs[:2])
+    if fault == "verified_raises":
+        assert all(o.metrics.num_accepted_tokens > 0 for o in outs)  # drafts still verified and kept
+
+
+def test_drafter_faults_show_in_stats_metrics_and_bench(tiny_models, capsys):
+    from specdec.bench import CategoryResult
+    from specdec.cli import _print_stats
+    from specdec.server import ServerMetrics
+
+    model = str(tiny_models["llama"])
+    llm = LLM(model=model, dtype="float32", speculative_config={
+        "decoding_type": "user", "drafter": _FaultyOracle("raise", {}, victim=0), "max_draft_len": 3})
+    outs = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    steps = outs[0].metrics.num_drafter_faults
+    assert steps >= outs[0].metrics.num_steps - 1 > 0
+    _print_stats(outs, 1.0)
+    assert f"drafter faults {steps}" in capsys.readouterr().err
+    exposed = ServerMetrics(llm.engine).render().decode()
+    assert f'specdec_drafter_faults_total{{decoding_type="user"}} {float(steps)}' in exposed
+    result = CategoryResult(metrics=outs[0].metrics)
+    assert result.summary()["drafter_faults"] == steps
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_repetition_penalty_with_speculation_equals_plain(smol, method):
+    """The penalty is applied to every draft row with that row's own history (the drafts
+    before it): speculative greedy output with a penalty is the plain one."""
+    prompt = "Repeat this list twice: apple, pear, plum, fig, apple, pear, plum, fig."
+    params = SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.2)
+    plain = smol.generate(prompt, params)[0]
+    got = LLM(dtype="float32", speculative_config={"decoding_type": method}).generate(prompt, params)[0]
+    assert got.token_ids == plain.token_ids
+    assert got.metrics.num_accepted_tokens > 0
+
+
+def test_randomized_kv_pressure_every_request_finishes_with_roomy_outputs(tiny_models):
+    """Issue 10: many workloads, pool and block sizes, prefix caching on and off, with and
+    without drafts; the engine never stalls and every output equals a roomy cache's."""
+    import random
+
+    model = str(tiny_models["llama"])
+    rng = random.Random(0)
+    roomy = LLM(model=model, dtype="float32")
+    roomy_outputs: dict = {}
+    preempted = 0
+    for trial in range(12):
+        shared = [rng.randrange(1, 120) for _ in range(rng.choice([0, 4, 9]))]
+        prompts = [shared + [rng.randrange(1, 120) for _ in range(rng.randrange(1, 10))]
+                   for _ in range(rng.randrange(2, 7))]
+        params = SamplingParams(max_tokens=rng.randrange(8, 30), temperature=0.0, ignore_eos=True)
+        block = rng.choice([2, 4, 8])
+        longest = max(len(p) for p in prompts) + params.max_tokens
+        blocks = -(-longest // block) + rng.randrange(0, 12)  # from "one request fits" upwards
+        spec = {"decoding_type": "ngram", "max_draft_len": rng.choice([2, 5])} if trial % 2 else None
+        llm = LLM(model=model, dtype="float32", speculative_config=spec,
+                  engine={"kv_cache_blocks": blocks, "block_size": block, "max_batch_size": rng.choice([2, 4, 6]),
+                          "enable_prefix_caching": bool(rng.randrange(2))})
+        reqs = [llm.engine.add_request(p, params) for p in prompts]
+        steps = 0
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            steps += 1
+            assert steps < 20 * len(prompts) * params.max_tokens, f"trial {trial}: the engine stopped making progress"
+        preempted += llm.engine.scheduler.num_preemptions
+        for p, r in zip(prompts, reqs):
+            key = (tuple(p), params.max_tokens)
+            if key not in roomy_outputs:
+                roomy_outputs[key] = roomy.generate([p], params)[0].token_ids
+            assert r.output_token_ids == roomy_outputs[key], f"trial {trial}"
+        assert llm.engine.kv.pool.num_free == blocks  # every block back in the pool
+    assert preempted > 0  # the pools were small enough to preempt

@@ -79,7 +79,8 @@ def test_copy_kv_slots_matches_reference_on_an_overlapping_path(row):
     dst = torch.tensor([11, 13, 14], device=DEVICE)  # slot 13 is read before it is written
     k_ref, v_ref = keys.clone(), values.clone()
     copy_kv_slots_torch(k_ref, v_ref, src, dst)
-    triton_kernels.copy_kv_slots_triton(keys, values, src, dst)
+    triton_kernels.copy_rows_triton(keys, src, dst)
+    triton_kernels.copy_rows_triton(values, src, dst)
     assert torch.equal(keys, k_ref) and torch.equal(values, v_ref)
 
 
@@ -162,7 +163,7 @@ def test_a_failing_kernel_falls_back_to_its_reference_once(monkeypatch, caplog):
         raise RuntimeError("cannot compile for this GPU")
 
     monkeypatch.setattr(kernels, "use_triton", lambda tensor, name="": name not in kernels._failed)
-    monkeypatch.setattr(kernels._triton(), "copy_kv_slots_triton", broken)
+    monkeypatch.setattr(kernels._triton(), "copy_rows_triton", broken)
     monkeypatch.setattr(kernels, "_failed", set())
     keys, values = torch.zeros(4, 1, 2), torch.zeros(4, 1, 2)
     keys[2] = 7
@@ -172,3 +173,29 @@ def test_a_failing_kernel_falls_back_to_its_reference_once(monkeypatch, caplog):
         kernels.copy_kv_slots(keys, values, src, dst)
     assert keys[0].tolist() == [[7.0, 7.0]]
     assert calls == [1] and "copy_kv_slots_triton failed" in caplog.text
+
+
+def test_a_kernel_failing_after_a_partial_write_fails_loudly(monkeypatch):
+    """Issue 10: the K/V copy moved the keys, then the values launch failed: rerunning the
+    reference on the moved keys would read overwritten rows, so the step must fail."""
+    import specdec.kernels as kernels
+
+    real = kernels._triton().copy_rows_triton
+    launches = []
+
+    def keys_only(pool, src, dst):
+        launches.append(pool)
+        if len(launches) == 2:
+            raise RuntimeError("launch failed")
+        real(pool, src, dst)
+
+    monkeypatch.setattr(kernels, "use_triton", lambda tensor, name="": name not in kernels._failed)
+    monkeypatch.setattr(kernels._triton(), "copy_rows_triton", keys_only)
+    monkeypatch.setattr(kernels, "_failed", set())
+    keys, values = torch.arange(8.0).view(4, 1, 2), torch.arange(8.0).view(4, 1, 2)
+    src, dst = torch.tensor([2, 3]), torch.tensor([1, 2])  # slot 2 is read, then written
+    with pytest.raises(kernels.KernelError, match="after moving the keys"):
+        kernels.copy_kv_slots(keys, values, src, dst)
+    assert keys[1:3].flatten().tolist() == [4.0, 5.0, 6.0, 7.0]  # the keys moved once, not twice
+    kernels.copy_kv_slots(keys, values, src, dst)  # later calls: the reference, no kernel
+    assert len(launches) == 2 and values[1:3].flatten().tolist() == [4.0, 5.0, 6.0, 7.0]

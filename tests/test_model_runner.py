@@ -23,9 +23,16 @@ def test_greedy_matches_the_stock_model(tiny_models, arch):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "deepseek_v3"])
 def test_tree_drafts_are_lossless_on_each_architecture(tiny_models, arch):
+    """Trees holding the true continuation beside decoys: accepted paths are compacted in the
+    KV cache on every architecture (sliding windows, MLA) and later steps read them."""
+    prompts = [list(range(3, 15)), [40, 41, 42, 43, 44] * 3, [7, 8, 9]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=str(tiny_models[arch]), dtype="float32").generate(prompts, params)
+    oracle = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
     spec = {"decoding_type": "user", "drafter": "helpers:OracleDrafter", "max_draft_len": 3,
-            "options": {"tree": True, "seed": 2}}
-    testing.check_greedy_lossless(spec, model=tiny_models[arch])
+            "options": {"tree": True, "seed": 2, "oracle": oracle}}
+    outs = testing.check_greedy_lossless(spec, model=tiny_models[arch], prompts=prompts, min_accepted=10)
+    assert all(o.metrics.acceptance_length > 1.3 for o in outs)
 
 
 def test_hidden_states_reach_the_drafter_without_recomputation(tiny_models):

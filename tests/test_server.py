@@ -157,3 +157,32 @@ def test_metrics_report_speculation(server):
     assert m["specdec_acceptance_length"] > 1.0
     assert 'specdec_per_position_acceptance{position="1"}' in m
     assert "specdec_queue_depth" in m and "specdec_kv_cache_blocks" in m
+
+
+def test_the_official_openai_client_gets_the_same_answers(server, smol):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    done = client.completions.create(model="any", prompt=PROMPTS[3], max_tokens=24, temperature=0)
+    offline = smol.generate(PROMPTS[3], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    assert done.choices[0].text == offline.text and done.usage.completion_tokens == len(offline.token_ids)
+    messages = [{"role": "user", "content": "Name two colors."}]
+    chat = client.chat.completions.create(model="any", messages=messages, max_tokens=16, temperature=0)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="any", messages=messages, max_tokens=16, temperature=0, stream=True) if c.choices)
+    assert chat.choices[0].message.content == streamed == smol.chat(messages, SamplingParams(
+        max_tokens=16, temperature=0.0))[0].text
+    assert [m.id for m in client.models.list().data] == [smol.target.name]
+
+
+def test_metrics_are_prometheus_exposition_with_histograms(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    httpx.post(f"{server}/v1/completions", json={"prompt": "Count: 1, 2, 3,", "max_tokens": 8}, timeout=60)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server}/metrics").text)}
+    assert families["specdec_requests"].type == "counter"
+    assert families["specdec_request_acceptance_length"].type == "histogram"
+    count = [s.value for s in families["specdec_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    assert count and count[0] >= 1
+    assert {"specdec_time_per_output_token_seconds", "specdec_drafter_faults", "specdec_preemptions",
+            "specdec_kv_cache_usage"} <= set(families)

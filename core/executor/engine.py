@@ -22,7 +22,7 @@ import pluggy
 import torch
 
 from ..config import EngineConfig, SpeculativeConfig
-from ..drafting import DraftProposal, StepResult, TreeMask
+from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..errors import RequestError
 from ..kernels import AttentionLayout, SequenceSlice
 from ..kvcache import KVCacheManager, PagedKVCache
@@ -94,6 +94,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv)
         self.acceptance_rule = spec.acceptance_rule() if spec is not None else None
         self._warned: set[str] = set()
+        #: drafter faults by kind (the requests' ``num_drafter_faults`` summed).
+        self.drafter_faults: dict[str, int] = {}
         self.requests: dict[str, Request] = {}
         self.totals = RequestMetrics()
         self._ids = itertools.count()
@@ -103,18 +105,7 @@ class Engine:
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Queue a request; a RequestError if it can never be served (the engine is unaffected)."""
-        if not token_ids:
-            raise RequestError("the prompt is empty; give at least one token")
-        bad = [t for t in token_ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                               f"(0..{self.target.vocab_size - 1})")
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
-                               "(prompt + at least one generated token); shorten the prompt or raise "
-                               "engine.max_model_len up to the model's limit")
-        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        self.kv.check_fits(longest)
+        self.check_request(token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -127,6 +118,22 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """A RequestError if the request can never be served; callers queuing several
+        requests check them all first, so a bad one leaves none behind."""
+        if not token_ids:
+            raise RequestError("the prompt is empty; give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                               f"(0..{self.target.vocab_size - 1})")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "
+                               "(prompt + at least one generated token); shorten the prompt or raise "
+                               "engine.max_model_len up to the model's limit")
+        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        self.kv.check_fits(longest)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request and free its KV blocks (no-op if it already ended)."""
@@ -189,25 +196,58 @@ class Engine:
                     got = self.hooks.prepare_draft_tokens(requests=[reqs[i] for i in speculating],
                                                           draft_lens=[shapes[i][0] for i in speculating],
                                                           max_nodes=[shapes[i][1] for i in speculating])
-            except Exception:  # a failing drafter costs speed, never output
-                log.exception("prepare_draft_tokens failed; decoding this step without drafts")
+                if got is not None and (not isinstance(got, (list, tuple)) or len(got) != len(speculating)):
+                    raise TypeError(f"returned {got!r:.80} for {len(speculating)} requests; expected a list with "
+                                    "one proposal or None per request")
+            except Exception as exc:  # a failing drafter costs speed, never output
+                self._drafter_fault([reqs[i] for i in speculating], "prepare_draft_tokens raised", exc)
                 got = None
             spent = (time.perf_counter() - started) / len(speculating)
             for i, prop in zip(speculating, got or []):
                 reqs[i].metrics.draft_time += spent
+                problem = None if prop is None else proposal_problem(prop, self.target.vocab_size)
+                if problem:
+                    self._drafter_fault([reqs[i]], "invalid proposal", problem)
+                    continue
                 proposals[i] = self._fit_proposal(reqs[i], prop, *shapes[i])
         items = []
         for req, prop in zip(reqs, proposals):
             root = req.num_computed
-            if prop is None:
+            mask = None if prop is None else self._tree_mask(req, prop)
+            if mask is None:
                 items.append(_Item(request=req, tokens=[req.token_ids[-1]], start=root,
                                    positions=torch.tensor([root]), tree_mask=None, num_logits=1))
                 continue
-            mask: TreeMask = self.hooks.build_tree_mask(request=req, proposal=prop)
             tokens = [req.token_ids[-1], *prop.token_ids, *prop.aux_token_ids]
             items.append(_Item(request=req, tokens=tokens, start=root, positions=root + mask.position_offsets,
                                tree_mask=mask.mask, num_logits=len(tokens), proposal=prop))
         return items
+
+    def _tree_mask(self, req: Request, prop: DraftProposal) -> TreeMask | None:
+        """The proposal's verification mask, or None (a drafter fault: no drafts this step)."""
+        try:
+            mask = self.hooks.build_tree_mask(request=req, proposal=prop)
+            problem = tree_mask_problem(mask, 1 + len(prop.token_ids) + len(prop.aux_token_ids))
+        except Exception as exc:
+            problem = exc
+        if problem is None:
+            return mask
+        self._drafter_fault([req], "build_tree_mask failed", problem)
+        return None
+
+    def _drafter_fault(self, reqs: list[Request], kind: str, problem) -> None:
+        """Count a drafter fault on each request (its metrics, the engine's totals by kind)
+        and log the first of each kind with its traceback or reason."""
+        for req in reqs:
+            req.metrics.num_drafter_faults += 1
+        self.drafter_faults[kind] = self.drafter_faults.get(kind, 0) + len(reqs)
+        if kind not in self._warned:
+            self._warned.add(kind)
+            name = self.spec.decoding_type if self.spec else "drafter"
+            log.error("%s drafter: %s (%s); those requests decode without drafts this step; counted in "
+                      "num_drafter_faults, logged once per kind", name, kind,
+                      f"{type(problem).__name__}: {problem}" if isinstance(problem, BaseException) else problem,
+                      exc_info=problem if isinstance(problem, BaseException) else None)
 
     def _log_once(self, kind: str, message: str, *args) -> None:
         if kind not in self._warned:
@@ -305,12 +345,16 @@ class Engine:
             out = self._append(req, res.new_token_ids)
             if not res.is_prefill:
                 accepted = len(res.accepted_nodes)
-                self.kv.commit(req, req.num_computed + 1 + accepted)
+                # a stop (EOS, stop string, length) inside the accepted drafts shortens the output
+                self.kv.commit(req, min(req.num_computed + 1 + accepted, len(req.token_ids) - 1))
                 self._record(req, res.proposal, accepted, len(out.new_token_ids))
             outputs.append(out)
         if self.hooks is not None:
-            with torch.inference_mode():
-                self.hooks.on_draft_verified(results=results)
+            try:
+                with torch.inference_mode():
+                    self.hooks.on_draft_verified(results=results)
+            except Exception as exc:  # the drafter's state may be off: costs speed, never output
+                self._drafter_fault([r.request for r in results], "on_draft_verified raised", exc)
         for out in outputs:
             if out.finished:
                 self._finish(out.request, out.request.finish_reason)
@@ -346,7 +390,8 @@ class Engine:
         probs = self._probs(req, rows, histories)
         if prop is not None and self.acceptance_rule is not None:
             verdict = self.acceptance_rule.verify(probs, rows, prop, req)
-            if verdict is not None:
+            if verdict is not None:  # None: outside the rule's scope, verified exactly below
+                req.metrics.lossless = False
                 return verdict
         if params.greedy:  # greedy with a repetition penalty, or outside a lossy rule's scope
             return verify_greedy(probs.argmax(-1).tolist(), prop)
@@ -381,12 +426,26 @@ class Engine:
             if req.finish_reason is not None:
                 break
         if params.stop and self.target.tokenizer is not None:
-            self._check_stop_strings(req)
+            kept = self._cut_at_stop_string(req, len(appended))
+            del appended[kept:]
         return StepOutput(request=req, new_token_ids=appended, finished=req.finish_reason is not None)
 
-    def _check_stop_strings(self, req: Request) -> None:
-        text = self.target.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+    def _stop_hit(self, req: Request, num_output: int) -> str | None:
+        """The output text of the first ``num_output`` tokens cut before its first stop
+        string, or None if it holds none."""
+        text = self.target.tokenizer.decode(req.output_token_ids[:num_output], skip_special_tokens=True)
         hits = [i for i in (text.find(s) for s in req.sampling_params.stop) if i >= 0]
-        if hits:
-            req.stop_text = text[:min(hits)]
-            req.finish_reason = "stop"
+        return text[:min(hits)] if hits else None
+
+    def _cut_at_stop_string(self, req: Request, num_new: int) -> int:
+        """End the request at the token that completes a stop string, dropping the tokens
+        after it (accepted drafts go past it), so speculative output equals plain output;
+        returns how many of the ``num_new`` new tokens remain."""
+        total = req.num_output_tokens
+        if self._stop_hit(req, total) is None:
+            return num_new
+        kept = next(k for k in range(1, num_new + 1) if self._stop_hit(req, total - num_new + k) is not None)
+        del req.token_ids[len(req.token_ids) - (num_new - kept):]
+        req.stop_text = self._stop_hit(req, req.num_output_tokens)
+        req.finish_reason = "stop"
+        return kept

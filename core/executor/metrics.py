@@ -10,6 +10,9 @@ class RequestMetrics:
     """Counters of one request.
 
     ``num_steps`` counts target forwards while decoding (after the prompt);
+    ``num_drafter_faults`` the steps whose drafts were dropped because the drafter failed
+    (raised, or proposed something invalid); ``lossless`` is False once an opt-in lossy
+    acceptance rule verified a draft of the request;
     ``acceptance_length`` is the mean number of tokens each such step emitted, the
     bonus token included; ``per_position_acceptance[k]`` is the rate at which draft
     position ``k + 1`` was accepted when it was proposed.
@@ -27,6 +30,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     draft_time: float = 0.0
+    num_drafter_faults: int = 0
+    lossless: bool = True
 
     def record_step(self, depth_proposed: int, num_draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
         self.num_steps += 1
@@ -55,8 +60,9 @@ class RequestMetrics:
 
     def merge(self, other: RequestMetrics) -> None:
         for name in ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_decode_tokens",
-                     "num_prompt_tokens", "num_cached_prompt_tokens", "draft_time"):
+                     "num_prompt_tokens", "num_cached_prompt_tokens", "draft_time", "num_drafter_faults"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.lossless = self.lossless and other.lossless
         for k in range(len(other.drafted_at)):
             if k >= len(self.drafted_at):
                 self.drafted_at.append(0)
@@ -69,4 +75,5 @@ class RequestMetrics:
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_length": self.acceptance_length,
                 "per_position_acceptance": self.per_position_acceptance,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
-                "time_to_first_token": self.time_to_first_token}
+                "time_to_first_token": self.time_to_first_token, "num_drafter_faults": self.num_drafter_faults,
+                "lossless": self.lossless}

@@ -31,7 +31,7 @@ class ForwardMetadata:
     probe: list | None = None
 
 
-def _paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              specdec: ForwardMetadata | None = None, sliding_window=None, softcap=None,
                              **kwargs):
     if specdec is None:
@@ -56,7 +56,7 @@ def _no_mask(*args, **kwargs):
     return None
 
 
-AttentionInterface.register(ATTENTION_NAME, _paged_attention_forward)
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 

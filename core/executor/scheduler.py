@@ -38,6 +38,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -55,6 +56,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _preempt(self, victim: Request) -> None:
+        self.num_preemptions += 1
         self.running.remove(victim)
         self.kv.free(victim)
         victim.status = Status.WAITING

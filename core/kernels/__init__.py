@@ -36,16 +36,27 @@ def use_triton(tensor: torch.Tensor, kernel: str = "") -> bool:
             and _triton() is not None)
 
 
+class KernelError(RuntimeError):
+    """A kernel failed after it had already written part of its output: the reference
+    cannot be run on top of that, so the step fails loudly."""
+
+
+def _give_up(name: str, exc: Exception) -> None:
+    _failed.add(name)
+    log.warning("Triton kernel %s failed (%s: %s); using the torch reference from now on",
+                name, type(exc).__name__, exc)
+
+
 def _dispatch(name: str, tensor: torch.Tensor, reference, *args):
     """Run the Triton kernel ``name`` on CUDA, else ``reference``. A kernel that fails (say,
-    to compile on an untested GPU) is reported once and replaced by its reference."""
+    to compile on an untested GPU) is reported once and replaced by its reference; only
+    kernels that write nothing but their result go through here (a failed launch leaves
+    no partial effect for the reference to run on top of)."""
     if use_triton(tensor, name):
         try:
             return getattr(_triton(), name)(*args)
         except Exception as exc:  # noqa: BLE001 - any kernel failure falls back to the reference
-            _failed.add(name)
-            log.warning("Triton kernel %s failed (%s: %s); using the torch reference from now on",
-                        name, type(exc).__name__, exc)
+            _give_up(name, exc)
     return reference(*args)
 
 
@@ -57,7 +68,24 @@ def paged_attention(query, key_pool, value_pool, layout: AttentionLayout, scale,
 
 
 def copy_kv_slots(keys, values, src, dst) -> None:
-    return _dispatch("copy_kv_slots_triton", keys, copy_kv_slots_torch, keys, values, src, dst)
+    """Copy K/V rows in place: two launches (keys, then values). If the first fails nothing
+    was written and the reference does the copy; if the second fails the keys are already
+    moved, and rerunning the reference on them would read overwritten rows, so it raises."""
+    name = "copy_kv_slots_triton"
+    if not use_triton(keys, name):
+        return copy_kv_slots_torch(keys, values, src, dst)
+    try:
+        _triton().copy_rows_triton(keys, src, dst)
+    except Exception as exc:  # noqa: BLE001 - nothing written yet: the reference is safe
+        _give_up(name, exc)
+        return copy_kv_slots_torch(keys, values, src, dst)
+    try:
+        _triton().copy_rows_triton(values, src, dst)
+    except Exception as exc:
+        _failed.add(name)
+        raise KernelError(f"Triton kernel {name} failed after moving the keys, before the values "
+                          f"({type(exc).__name__}: {exc}); this step's KV cache is inconsistent. Later steps use "
+                          "the torch reference; set SPECDEC_KERNELS=torch to avoid the kernel from the start") from exc
 
 
 def greedy_tree_verify(target_tokens, *args):
@@ -68,5 +96,5 @@ def chain_rejection(p, *args):
     return _dispatch("chain_rejection_triton", p, chain_rejection_torch, p, *args)
 
 
-__all__ = ["AttentionLayout", "SequenceSlice", "chain_rejection", "copy_kv_slots", "greedy_tree_verify",
+__all__ = ["AttentionLayout", "KernelError", "SequenceSlice", "chain_rejection", "copy_kv_slots", "greedy_tree_verify",
            "paged_attention", "use_triton"]

@@ -96,11 +96,11 @@ def _copy_rows_kernel(X, src, dst, num_pairs, row_elems, BLOCK: tl.constexpr):
         tl.store(X + d * row_elems + cols, row, mask=keep)
 
 
-def copy_kv_slots_triton(keys, values, src, dst):
-    for pool in (keys, values):
-        row = pool[0].numel()
-        block = min(1024, triton.next_power_of_2(row))
-        _copy_rows_kernel[(triton.cdiv(row, block),)](pool, src, dst, src.numel(), row, BLOCK=block)
+def copy_rows_triton(pool, src, dst):
+    """``pool[dst[i]] = pool[src[i]]`` for one pool (keys or values of one layer)."""
+    row = pool[0].numel()
+    block = min(1024, triton.next_power_of_2(row))
+    _copy_rows_kernel[(triton.cdiv(row, block),)](pool, src, dst, src.numel(), row, BLOCK=block)
 
 
 # -- verification ----------------------------------------------------------------------

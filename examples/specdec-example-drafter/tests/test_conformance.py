@@ -1,7 +1,5 @@
 """The example plugin passes specdec's conformance kit, installed for real."""
 
-import torch
-
 from specdec import LLM, SamplingParams, testing
 
 
@@ -21,14 +19,14 @@ def test_greedy_lossless_on_tiny_model(tmp_path):
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
-def test_sampled_drafts_with_probabilities_run_through_rejection_sampling(tmp_path):
-    llm = LLM(model=str(testing.tiny_model_dir(tmp_path)), dtype="float32",
-              speculative_config={"decoding_type": "bigram", "max_draft_len": 3})
-    out = llm.generate([list(range(20)) * 2], SamplingParams(max_tokens=30, temperature=1.0, seed=3,
-                                                             ignore_eos=True))[0]
-    assert len(out.token_ids) == 30
-    assert out.metrics.num_draft_tokens > 0
-    again = llm.generate([list(range(20)) * 2], SamplingParams(max_tokens=30, temperature=1.0, seed=3,
-                                                               ignore_eos=True))[0]
-    assert again.token_ids == out.token_ids  # same seed, same output
-    assert torch.tensor(out.token_ids).max() < 128
+def test_sampled_drafts_with_probabilities_keep_the_target_distribution(tmp_path):
+    """Drafts sampled with their probabilities go through rejection sampling: the output's
+    second token follows the target's exact distribution (chi-square), drafts accepted."""
+    model = testing.tiny_model_dir(tmp_path)
+    _, accepted = testing.check_sampling_lossless({"decoding_type": "bigram", "max_draft_len": 3}, model,
+                                                  prompt=list(range(10)) * 3, n=600)
+    assert accepted > 0
+    llm = LLM(model=str(model), dtype="float32", speculative_config={"decoding_type": "bigram", "max_draft_len": 3})
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+    out, again = (llm.generate([list(range(20)) * 2], params)[0] for _ in range(2))
+    assert again.token_ids == out.token_ids and out.metrics.num_draft_tokens > 0  # same seed, same output
