@@ -105,10 +105,15 @@ class SpeculativeConfig:
         keys = [k for k in self.draft_len_schedule if k <= batch_size]
         return min(self.draft_len_schedule[max(keys)], self.max_draft_len) if keys else self.max_draft_len
 
+    def node_budget(self) -> int:
+        """Tree nodes per request and step at full depth: ``max_total_draft_tokens``, or
+        the method's default (chains: ``max_draft_len``)."""
+        return self.max_total_draft_tokens or self.max_draft_len
+
     def draft_shape_for_batch(self, batch_size: int) -> tuple[int, int]:
         """(depth, nodes) a request may draft with ``batch_size`` requests running."""
         depth = self.draft_len_for_batch(batch_size)
-        total = self.max_total_draft_tokens or self.max_draft_len
+        total = self.node_budget()
         return depth, (max(depth, total * depth // self.max_draft_len) if depth else 0)
 
 

@@ -18,7 +18,9 @@ Two ways to keep a draft cache in step with a request:
 The module is called as ``forward(input_ids [T], positions [T], meta, **features)`` and
 returns hidden states ``[T, H]``; ``features`` are per-token tensors ``[T, F]`` packed
 across requests (EAGLE's fused target states, say). Its attention layers must use
-specdec's attention (``ATTENTION_NAME``), which reads ``meta``.
+specdec's attention, which reads ``meta``: transformers layers through their
+``attn_implementation`` (:func:`causal_lm_forward` sets it), hand-written layers by
+calling :func:`draft_attention`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from .executor.model_runner import ATTENTION_NAME, ForwardMetadata, probe_kv_shapes
+from .executor.model_runner import ATTENTION_NAME, ForwardMetadata, paged_attention_forward, probe_kv_shapes
 from .kernels import AttentionLayout, SequenceSlice
 from .kvcache import KVCacheManager, NoFreeBlocks, PagedKVCache
 from .tree import ancestor_mask, node_depths
@@ -185,6 +187,13 @@ class DraftRunner:
         seq.pending_parents, seq.pending_positions = [], []
         self.kv.commit(seq, first + len(path))
 
+    def truncate(self, seq: DraftSequence, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` committed tokens (rollback), no pending nodes."""
+        seq.pending_parents, seq.pending_positions = [], []
+        num_tokens = min(num_tokens, seq.num_computed)
+        del seq.token_ids[num_tokens:]
+        self.kv.commit(seq, num_tokens)
+
     def drop_pending(self, seq: DraftSequence) -> None:
         seq.pending_parents, seq.pending_positions = [], []
         self.kv.commit(seq, seq.num_computed)
@@ -193,6 +202,16 @@ class DraftRunner:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.kv.free(seq)
+
+
+def draft_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    meta: ForwardMetadata, scale: float) -> torch.Tensor:
+    """Attention of a hand-written draft layer over the runner's cache: writes the new
+    tokens' K/V and attends with the step's masks. ``query`` ``[heads, T, dim]``, ``key`` and
+    ``value`` ``[kv_heads, T, dim]`` after rotary; ``module.layer_idx`` names the cache layer.
+    Returns ``[T, heads, value_dim]``."""
+    out, _ = paged_attention_forward(module, query[None], key[None], value[None], None, scaling=scale, specdec=meta)
+    return out[0]
 
 
 def causal_lm_forward(model) -> DraftForward:

@@ -16,3 +16,19 @@ $SPECDEC train draft_target --data training/prompts.jsonl --out .train/draft_tar
 dest=plugins/spec_draft_target/specdec_draft_target/weights/smollm2-135m-instruct
 mkdir -p "$dest"
 cp .train/draft_target/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
+# 3. eagle3: the same answers (copied, not generated again); the target's hidden states of
+#    layers 1, 14, 26 and the final norm are computed once into .train/eagle3/features.
+mkdir -p .train/eagle3 .train/eagle
+cp -n .train/draft_target/samples.jsonl .train/eagle3/ || true
+$SPECDEC train eagle3 --data training/prompts.jsonl --out .train/eagle3 --epochs "${EAGLE_EPOCHS:-3}" \
+    --batch-size 8 --lr 1e-3 --set draft_vocab_size=4096 ${RESUME:+--resume}
+# 4. eagle (EAGLE-1): same answers, reading the final-norm features eagle3's store holds.
+cp -n .train/draft_target/samples.jsonl .train/eagle/ || true
+ln -sfn ../eagle3/features .train/eagle/features
+$SPECDEC train eagle --data training/prompts.jsonl --out .train/eagle --epochs "${EAGLE_EPOCHS:-3}" \
+    --batch-size 8 --lr 1e-3 ${RESUME:+--resume}
+for gen in eagle eagle3; do
+    dest=plugins/spec_eagle/specdec_eagle/weights/smollm2-135m-instruct-$gen
+    mkdir -p "$dest"
+    cp .train/$gen/{config.json,model.safetensors} "$dest/"
+done

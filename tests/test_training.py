@@ -47,3 +47,44 @@ def test_prompts_use_the_chat_template_only_where_there_is_one(smol, tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(directory)
     base = LLM(model=str(directory))
     assert encode_prompt(base, {"prompt": "w3 w4 w5"}) == [3, 4, 5]
+
+
+def test_feature_store_matches_the_target_resumes_and_serves_fewer_layers(tiny_models, tmp_path):
+    import json
+
+    import torch
+
+    from specdec.models import load_causal_lm, load_tokenizer
+    from specdec.training.data import Sample
+    from specdec.training.features import INDEX, FeatureStore
+    from specdec.training.method import TrainTarget
+
+    path = tiny_models["llama"]
+    target = TrainTarget(load_causal_lm(path, torch.float32, torch.device("cpu")), load_tokenizer(path), "tiny", path)
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(0, 128, (n,), generator=g).tolist(), 1) for n in (5, 12, 7, 30, 9)]
+    calls = []
+    whole = FeatureStore.build(tmp_path / "a", target, samples, [0, -1], max_len=20, dtype="float32",
+                               batch_tokens=24, progress=lambda done, total: calls.append(done))
+    assert calls[-1] == 5 and len(calls) > 1  # built in chunks
+    batch = whole.batch([3, 1], 20, torch.device("cpu"))
+    _, ref = target.run(torch.tensor([samples[3].token_ids[:20]]), torch.ones(1, 20, dtype=torch.long), [0, -1])
+    for layer in (0, -1):
+        torch.testing.assert_close(batch[layer][0], ref[layer][0])
+        assert batch[layer].shape == (2, 20, 64) and not batch[layer][1, 12:].any()  # zero past the end
+    # an interrupted build (2 samples done) continues where it stopped
+    part = tmp_path / "b"
+    FeatureStore.build(part, target, samples[:2], [0, -1], max_len=20, dtype="float32")
+    index = json.loads((part / INDEX).read_text())
+    (part / INDEX).write_text(json.dumps({**index, "lengths": whole.lengths}))
+    calls.clear()
+    resumed = FeatureStore.build(part, target, samples, [0, -1], max_len=20, dtype="float32",
+                                 progress=lambda done, total: calls.append(done))
+    assert calls == [5]  # samples 2..4 only, in one chunk
+    for layer in (0, -1):  # other batch shapes: equal up to float32 rounding
+        torch.testing.assert_close(resumed.rows(layer), whole.rows(layer), atol=1e-4, rtol=1e-3)
+    # a method asking for fewer layers reuses the store without recomputing
+    calls.clear()
+    fewer = FeatureStore.build(part, target, samples, [-1], max_len=20, dtype="float32",
+                               progress=lambda done, total: calls.append(done))
+    assert calls == [] and list(fewer.batch([0], 5, torch.device("cpu"))) == [-1]

@@ -46,3 +46,25 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs / probs.sum(-1, keepdim=True)
+
+
+def pick_draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                     vocab_size: int, draft_to_target: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
+    """A draft token from one row of draft logits, as a target token id.
+
+    ``logits`` cover the draft vocabulary: target ids ``draft_to_target`` (``None``: the
+    target's first ``len(logits)`` ids). Greedy requests get the argmax and no
+    distribution; sampled ones a draw from the processed draft distribution, returned
+    with it over the whole target vocabulary (zero outside the draft vocabulary) for
+    the rejection sampler.
+    """
+    if params.greedy:
+        best = int(logits.argmax())
+        return (best if draft_to_target is None else int(draft_to_target[best])), None
+    q_small = probs_from_logits(logits[None], params)[0]
+    q = torch.zeros(vocab_size, device=q_small.device)
+    if draft_to_target is None:
+        q[:q_small.shape[-1]] = q_small
+    else:
+        q[draft_to_target.to(q.device)] = q_small
+    return int(torch.multinomial(q, 1, generator=generator)), q

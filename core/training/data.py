@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 
 import attrs
+import torch
 
 from ..errors import SpecdecError
 
@@ -127,3 +129,14 @@ def distill(llm, items: list[dict], cache: Path, max_new_tokens: int, chunk: int
         if progress is not None:
             progress(len(samples), len(items))
     return samples
+
+
+def frequent_tokens(samples, size: int, always: set[int]) -> torch.Tensor:
+    """The ``size`` tokens most frequent in the samples' answers (plus ``always``), sorted."""
+    counts = Counter()
+    for s in samples:
+        counts.update(s.token_ids[s.loss_start + 1:])
+    chosen = set(always) | {t for t, _ in counts.most_common(max(0, size - len(always)))}
+    covered = sum(counts[t] for t in chosen) / max(1, sum(counts.values()))
+    log.info("draft vocabulary: %d tokens cover %.1f%% of the answer tokens", len(chosen), 100 * covered)
+    return torch.tensor(sorted(chosen))

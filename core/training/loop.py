@@ -1,6 +1,7 @@
 """``specdec train``: self-distillation data, the training loop, checkpoints, evaluation.
 
     target answers the prompts (engine, continuous batching)   -> samples.jsonl (cached)
+      -> hidden states of the layers the method reads, once      -> features/ (cached)
       -> the method's module and loss, AdamW, warm-up + cosine   -> checkpoint.pt every N steps
       -> the method's save format in OUT                         -> speculative_model: OUT
       -> acceptance length on prompts held out of the data       -> train_report.json
@@ -25,6 +26,7 @@ import torch
 
 from ..errors import SpecdecError
 from .data import Sample, distill, encode_prompt, read_items, split_eval
+from .features import FeatureStore
 from .method import MethodTrainer, TrainBatch, TrainTarget
 
 log = logging.getLogger(__name__)
@@ -83,9 +85,10 @@ def make_batches(samples: list[Sample], batch_size: int, seed: int, epoch: int) 
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def collate(samples: list[Sample], max_len: int, target: TrainTarget) -> TrainBatch:
+def collate(samples: list[Sample], max_len: int, target: TrainTarget,
+            features: dict[int, torch.Tensor] | None = None) -> TrainBatch:
     """Pad a batch; labels are the next tokens (the target's own answers), or the target's
-    predictions for plain-text samples."""
+    predictions for plain-text samples. ``features``: the batch's stored hidden states."""
     seqs = [s.token_ids[:max_len] for s in samples]
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -105,7 +108,8 @@ def collate(samples: list[Sample], max_len: int, target: TrainTarget) -> TrainBa
         logits, _ = target.run(ids[teach], attn[teach])
         labels[teach] = logits.argmax(-1)
         loss_mask[teach, -1] = False
-    return TrainBatch(input_ids=ids, attention_mask=attn, labels=labels, loss_mask=loss_mask, target=target)
+    return TrainBatch(input_ids=ids, attention_mask=attn, labels=labels, loss_mask=loss_mask, target=target,
+                      features=features or {})
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -185,6 +189,12 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
     del gen
     target = load_target(opts, device)
     trainer: MethodTrainer = dtype.trainer_class(target, samples, dict(opts.trainer_options))
+    store = None
+    if trainer.feature_layers():
+        bar = tqdm(total=len(samples), desc="target features", unit="sample", disable=not progress)
+        store = FeatureStore.build(out / "features", target, samples, trainer.feature_layers(), opts.max_seq_len,
+                                   opts.gen_dtype, progress=lambda done, total: bar.update(done - bar.n))
+        bar.close()
     module = trainer.module()
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
@@ -214,7 +224,10 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
         while state["step"] < total_steps and state["epoch"] < max_epochs:
             batches = make_batches(samples, opts.batch_size, opts.seed, state["epoch"])
             while state["batch"] < len(batches) and state["step"] < total_steps:
-                batch = collate([samples[i] for i in batches[state["batch"]]], opts.max_seq_len, target)
+                chosen = batches[state["batch"]]
+                width = max(min(len(samples[i].token_ids), opts.max_seq_len) for i in chosen)
+                batch = collate([samples[i] for i in chosen], opts.max_seq_len, target,
+                                store.batch(chosen, width, device) if store else None)
                 for group in optimizer.param_groups:
                     group["lr"] = opts.lr * lr_factor(state["step"], opts.warmup_steps, total_steps)
                 loss, metrics = trainer.loss(batch)

@@ -62,8 +62,10 @@ class TrainBatch:
         labels: ``[B, L]`` the target's next token after each position (its own greedy
             answer, or its prediction for plain text).
         loss_mask: ``[B, L]`` bool, the positions whose next token is learnt.
-        target: the frozen target, for methods that need its hidden states or logits
-            (:meth:`TrainTarget.run`).
+        target: the frozen target, for methods that need its logits (:meth:`TrainTarget.run`).
+        features: layer -> ``[B, L, hidden]`` float32 target hidden states of the layers
+            the method asked for (:meth:`MethodTrainer.feature_layers`), read from the
+            run's feature store; zero past each sample's end.
     """
 
     input_ids: torch.Tensor
@@ -71,6 +73,7 @@ class TrainBatch:
     labels: torch.Tensor
     loss_mask: torch.Tensor
     target: TrainTarget
+    features: dict[int, torch.Tensor] = attrs.Factory(dict)
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +102,13 @@ class MethodTrainer:
         if unknown:
             raise ValueError(f"unknown trainer option(s) {unknown}; this method takes {sorted(cls.options)}")
         return {**cls.options, **options}
+
+    def feature_layers(self) -> list[int]:
+        """Target layers whose hidden states the loss reads (``i``: output of decoder layer
+        ``i``; ``-1``: the final normalised state). The loop computes them once, stores them
+        with the run (:mod:`specdec.training.features`) and hands them in
+        :attr:`TrainBatch.features`. Default: none."""
+        return []
 
     def module(self) -> torch.nn.Module:
         """The module whose trainable parameters the optimizer updates and checkpoints save."""

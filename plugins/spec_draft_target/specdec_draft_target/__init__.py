@@ -32,7 +32,7 @@ from specdec.draft_checkpoint import SECTION, check_target, load_draft_vocab, re
 from specdec.draft_runner import DraftInput, DraftRunner, causal_lm_forward
 from specdec.errors import ModelLoadError
 from specdec.models import EMBEDDED_NAME, load_causal_lm, load_tokenizer, resolve_model_dir
-from specdec.sampler import probs_from_logits
+from specdec.sampler import pick_draft_token
 
 from .checkpoint import SHIPPED_DRAFT, load_trained_draft
 from .trainer import DraftTargetTrainer
@@ -106,22 +106,6 @@ class DraftTargetDrafter(Drafter):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.head_weight.T).float()
 
-    def _pick(self, logits: torch.Tensor, req) -> tuple[int, torch.Tensor | None]:
-        """A draft token from one row of draft logits, with its full-vocabulary distribution
-        when sampling (None when greedy)."""
-        ids = self.draft_vocab
-        params = req.sampling_params
-        if params.greedy:
-            best = int(logits.argmax())
-            return (best if ids is None else int(ids[best])), None
-        q_small = probs_from_logits(logits[None], params)[0]
-        q = torch.zeros(self.target.vocab_size, device=q_small.device)
-        if ids is None:
-            q[:q_small.shape[-1]] = q_small
-        else:
-            q[ids.to(q.device)] = q_small
-        return int(torch.multinomial(q, 1, generator=req.generator)), q
-
     @hookimpl
     def prepare_draft_tokens(self, requests, draft_lens):
         seqs = [self.runner.sync(r.request_id, r.token_ids) for r in requests]
@@ -136,7 +120,9 @@ class DraftTargetDrafter(Drafter):
             logits = self._logits(torch.cat(outs))
             inputs = {}
             for row, i in enumerate(order):
-                token, q = self._pick(logits[row], requests[i])
+                req = requests[i]
+                token, q = pick_draft_token(logits[row], req.sampling_params, req.generator,
+                                            self.target.vocab_size, self.draft_vocab)
                 drafts[i].append(token)
                 if q is not None:
                     probs[i].append(q)

@@ -10,30 +10,14 @@ its LM head a sixth of the target's on the embedded model.
 from __future__ import annotations
 
 import copy
-import logging
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
 
 from specdec.draft_checkpoint import target_signature
-from specdec.training import MethodTrainer, TrainBatch
+from specdec.training import MethodTrainer, TrainBatch, frequent_tokens
 
 from .checkpoint import build_draft_model, save_trained_draft
-
-log = logging.getLogger(__name__)
-
-
-def frequent_tokens(samples, size: int, always: set[int]) -> torch.Tensor:
-    """The ``size`` tokens most frequent in the samples' answers (plus ``always``), sorted."""
-    counts = Counter()
-    for s in samples:
-        counts.update(s.token_ids[s.loss_start + 1:])
-    chosen = set(always) | {t for t, _ in counts.most_common(max(0, size - len(always)))}
-    covered = sum(counts[t] for t in chosen) / max(1, sum(counts.values()))
-    log.info("draft vocabulary: %d tokens cover %.1f%% of the answer tokens", len(chosen), 100 * covered)
-    return torch.tensor(sorted(chosen))
-
 
 class DraftTargetTrainer(MethodTrainer):
     options = {"draft_layers": 2, "draft_vocab_size": 8192}

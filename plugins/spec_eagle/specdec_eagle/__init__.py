@@ -1,8 +1,25 @@
-"""EAGLE-1/2 and EAGLE-3: registration and options; the methods come in their own issue.
+"""EAGLE-1/2 (``eagle``) and EAGLE-3 (``eagle3``): a one-layer draft head over the target's
+features, drafting chains, static trees or EAGLE-2 dynamic trees.
 
-Options: speculative_model (the draft head checkpoint), eagle_choices (a static tree), or a
-dynamic tree (use_dynamic_tree, dynamic_tree_max_topk); EAGLE-3 also names the target
-layers whose hidden states feed the head (eagle3_layers_to_capture).
+Options (defaults in brackets; TensorRT-LLM's names):
+    speculative_model [the shipped head on the embedded model]: a head directory in the
+        published EAGLE-1 or EAGLE-3 layout, or one ``specdec train eagle|eagle3`` wrote.
+        Alias: speculative_model_dir.
+    max_draft_len [3]: draft depth (one draft forward per level for the whole batch).
+    eagle_choices [none]: a static tree in TensorRT-LLM's notation (every node, or the
+        unique paths), ranks among each parent's best tokens; its depth must fit
+        max_draft_len, and max_total_draft_tokens defaults to its node count.
+    use_dynamic_tree [false], dynamic_tree_max_topK [4]: EAGLE-2: each level expands the
+        topK best frontier nodes into their topK best children; after max_draft_len
+        levels the max_total_draft_tokens [16] best nodes by cumulative log-probability
+        are verified.
+    eagle3_layers_to_capture [the checkpoint's, else 1, N/2-1, N-4]: target layers
+        whose hidden states EAGLE-3 reads.
+    draft_kv_cache_blocks [1024]: the head's KV pool, in blocks of 16 tokens.
+
+Verification is lossless: greedy output equals the target's greedy output; sampled
+chains are drawn from the draft distribution (rejection sampling), trees take the top-k
+tokens deterministically (recursive rejection sampling with one-hot proposals).
 """
 
 from __future__ import annotations
@@ -11,14 +28,48 @@ import attrs
 
 from specdec import DecodingType, hookimpl
 from specdec.config import SpeculativeConfig, in_range
+from specdec.errors import FieldError
+from specdec.tree import StaticTree
+
+from .checkpoint import SHIPPED_HEADS, load_head, save_head
+from .drafter import Eagle3Drafter, EagleDrafter
+from .trainer import Eagle3Trainer, EagleTrainer
+
+#: Node budget of a dynamic tree when max_total_draft_tokens is not given.
+DYNAMIC_TREE_NODES = 16
 
 
 @attrs.frozen(kw_only=True)
 class EagleConfig(SpeculativeConfig):
+    max_draft_len: int = attrs.field(default=3, validator=in_range(1, 64))
     speculative_model: str | None = None
-    eagle_choices: list[list[int]] | None = None
+    eagle_choices: list[list[int]] | None = attrs.field(default=None)
     use_dynamic_tree: bool = False
-    dynamic_tree_max_topk: int = attrs.field(default=8, validator=in_range(1, 64))
+    dynamic_tree_max_topK: int = attrs.field(default=4, validator=in_range(1, 64))  # noqa: N815
+    draft_kv_cache_blocks: int = attrs.field(default=1024, validator=in_range(1, None))
+
+    @eagle_choices.validator
+    def _check_choices(self, attribute, value):
+        if value is None:
+            return
+        if self.use_dynamic_tree:
+            raise FieldError(attribute.name, "a static tree and use_dynamic_tree exclude each other; give one")
+        try:
+            tree = StaticTree.from_choices(value)
+        except ValueError as exc:
+            raise FieldError(attribute.name, f"not a tree: {exc}") from None
+        if tree.depth > self.max_draft_len:
+            raise FieldError(attribute.name, f"the tree is {tree.depth} deep, more than max_draft_len "
+                                             f"{self.max_draft_len}; raise max_draft_len")
+
+    def node_budget(self) -> int:
+        if self.max_total_draft_tokens:
+            return self.max_total_draft_tokens
+        if self.eagle_choices:
+            return StaticTree.from_choices(self.eagle_choices).num_nodes
+        if self.use_dynamic_tree:
+            return max(DYNAMIC_TREE_NODES, self.max_draft_len)
+        return self.max_draft_len
 
 
 @attrs.frozen(kw_only=True)
@@ -28,7 +79,15 @@ class Eagle3Config(EagleConfig):
 
 @hookimpl
 def register_decoding_types(register):
-    register(DecodingType(name="eagle", aliases=("Eagle",), config_class=EagleConfig,
-                          description="EAGLE-1/2 feature-level draft head (not implemented yet)"))
+    register(DecodingType(name="eagle", aliases=("Eagle",), config_class=EagleConfig, drafter_class=EagleDrafter,
+                          trainer_class=EagleTrainer,
+                          description="EAGLE-1/2 draft head over the target's last feature; chains, static or "
+                                      "dynamic trees"))
     register(DecodingType(name="eagle3", aliases=("Eagle3",), config_class=Eagle3Config,
-                          description="EAGLE-3 multi-layer-feature draft head (not implemented yet)"))
+                          drafter_class=Eagle3Drafter, trainer_class=Eagle3Trainer,
+                          description="EAGLE-3 draft head over a low, a middle and a high target layer, reduced "
+                                      "draft vocabulary; chains, static or dynamic trees"))
+
+
+__all__ = ["SHIPPED_HEADS", "Eagle3Config", "Eagle3Drafter", "Eagle3Trainer", "EagleConfig", "EagleDrafter",
+           "EagleTrainer", "load_head", "save_head"]
