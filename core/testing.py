@@ -92,6 +92,21 @@ def near_tie_at(model, prompt: list[int], output: list[int], index: int, tol: fl
     return gap <= tol, gap
 
 
+#: Six short, varied prompts for training tests (``specdec train`` on the embedded model).
+TRAIN_PROMPTS = ["Write a haiku about a lighthouse.", "Give two tips for learning chess.",
+                 "What is 12 times 7? Explain briefly.", "Describe a rainy street in one sentence.",
+                 "Name three uses of a paper clip.", "Translate into Spanish: The cat sleeps on the warm roof."]
+
+
+def prompt_file(directory: str | Path, prompts: list[str] | None = None) -> Path:
+    """A ``specdec train`` data file of ``{"prompt": ...}`` lines (default :data:`TRAIN_PROMPTS`)."""
+    import json
+
+    path = Path(directory) / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (prompts or TRAIN_PROMPTS)))
+    return path
+
+
 def check_registration(name: str, distribution: str | None = None) -> DecodingType:
     """The decoding type is found through its entry point, with a sound config and documented hooks."""
     registry = get_registry()

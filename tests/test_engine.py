@@ -303,7 +303,7 @@ def test_a_preempted_request_whose_context_is_all_cached_still_finishes(smol):
 
 
 STOP_PROMPTS = [[{"role": "user", "content": "List the days of the week, one per line."}],
-                [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]]
+                [{"role": "user", "content": "List the numbers from 1 to 12 separated by commas."}]]
 
 
 @pytest.mark.parametrize("method", ["ngram", "lookahead", "draft_target", "eagle", "eagle3"])
@@ -412,7 +412,7 @@ def test_drafter_faults_show_in_stats_metrics_and_bench(tiny_models, capsys):
     assert result.summary()["drafter_faults"] == steps
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+@pytest.mark.parametrize("method", ["draft_target", "eagle3"])  # model drafters: the penalty defeats copying
 def test_repetition_penalty_with_speculation_equals_plain(smol, method):
     """The penalty is applied to every draft row with that row's own history (the drafts
     before it): speculative greedy output with a penalty is the plain one."""

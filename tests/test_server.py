@@ -22,11 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    cfg = tmp_path_factory.mktemp("srv") / "cfg.yaml"
-    cfg.write_text("dtype: float32\nspeculative_config: {decoding_type: ngram, max_draft_len: 6}\n"
-                   "engine: {max_batch_size: 16}\nsampling: {temperature: 0, max_tokens: 24}\n")
+def running_server(directory, config: str):
+    """Start `specdec serve` on a free loopback port with ``config`` (YAML text); yield its URL."""
+    cfg = directory / "cfg.yaml"
+    cfg.write_text(config)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-c", str(cfg), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -47,6 +46,13 @@ def server(tmp_path_factory):
     yield base
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from running_server(tmp_path_factory.mktemp("srv"),
+                              "dtype: float32\nspeculative_config: {decoding_type: ngram, max_draft_len: 6}\n"
+                              "engine: {max_batch_size: 16}\nsampling: {temperature: 0, max_tokens: 24}\n")
 
 
 def metrics(base) -> dict:

@@ -3,15 +3,12 @@ mid-stream, with a KV cache small enough to force preemption. Every completed re
 equals the same request run alone, and the KV cache is empty again at the end."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_server import free_port, metrics
+from test_server import metrics, running_server
 
 from specdec import SamplingParams
 
@@ -22,30 +19,10 @@ PROMPTS = [f"Describe a {c} {t} in one sentence." for c in COLORS for t in THING
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
-    cfg = tmp_path_factory.mktemp("soak") / "cfg.yaml"
-    cfg.write_text("dtype: float32\nspeculative_config: {decoding_type: ngram, max_draft_len: 4}\n"
-                   "engine: {max_batch_size: 16, kv_cache_blocks: 24, block_size: 16}\n"
-                   "sampling: {temperature: 0, max_tokens: 24}\n")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-c", str(cfg), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
+    yield from running_server(tmp_path_factory.mktemp("soak"),
+                              "dtype: float32\nspeculative_config: {decoding_type: ngram, max_draft_len: 4}\n"
+                              "engine: {max_batch_size: 16, kv_cache_blocks: 24, block_size: 16}\n"
+                              "sampling: {temperature: 0, max_tokens: 24}\n")
 
 
 def stream(base: str, i: int) -> str | None:

@@ -11,16 +11,10 @@ from specdec.cli import main
 from specdec.errors import ModelLoadError
 from specdec.training import TrainOptions, loop, train
 
-PROMPTS = ["Write a haiku about a lighthouse.", "Give two tips for learning chess.",
-           "What is 12 times 7? Explain briefly.", "Describe a rainy street in one sentence.",
-           "Name three uses of a paper clip.", "Translate into Spanish: The cat sleeps on the warm roof."]
-
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    return path
+    return testing.prompt_file(tmp_path_factory.mktemp("data"))
 
 
 def _opts(data, out, **kw):
