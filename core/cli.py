@@ -70,7 +70,7 @@ def _read_prompts(args) -> list[str]:
     return [text] if text.strip() else []
 
 
-def _print_stats(outputs, elapsed: float, file=sys.stderr) -> None:
+def _print_stats(outputs, elapsed: float, file=None) -> None:
     from .executor.metrics import RequestMetrics
 
     total = RequestMetrics()
@@ -82,7 +82,7 @@ def _print_stats(outputs, elapsed: float, file=sys.stderr) -> None:
     print(f"\n[specdec] {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tok/s; "
           f"target steps {total.num_steps}, acceptance length {total.acceptance_length:.2f}, "
           f"draft tokens {total.num_draft_tokens}, accepted {total.num_accepted_tokens}, "
-          f"per-position acceptance [{per_pos}], drafter faults {total.num_drafter_faults}", file=file)
+          f"per-position acceptance [{per_pos}], drafter faults {total.num_drafter_faults}", file=file or sys.stderr)
 
 
 def cmd_plugins(args) -> int:

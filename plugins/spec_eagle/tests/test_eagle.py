@@ -49,7 +49,7 @@ def test_sampled_output_follows_the_target(mode):
 
 
 def test_preempted_requests_rebuild_the_draft_cache_and_stay_lossless(plain):
-    llm = LLM(dtype="float32", engine={"kv_cache_blocks": 24, "block_size": 4, "max_batch_size": 4},
+    llm = LLM(dtype="float32", engine={"kv_cache_blocks": 32, "block_size": 4, "max_batch_size": 4},
               speculative_config={"decoding_type": "eagle3"})
     preempted = []
     scheduler = llm.engine.scheduler
