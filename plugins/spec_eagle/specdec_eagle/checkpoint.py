@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from specdec.draft_checkpoint import (DRAFT_VOCAB_FILE, SECTION, check_target, load_draft_vocab, load_state_checked,
-                                      load_tensors, read_config, save_tensors)
+from specdec.draft_checkpoint import (DRAFT_VOCAB_FILE, SECTION, check_target, load_state_checked, load_tensors,
+                                      read_config, save_tensors)
 from specdec.errors import ModelLoadError
 
 from .modules import Eagle1Head, Eagle3Head, EagleHead
@@ -127,11 +127,6 @@ def load_head(directory: Path, generation: int, target,
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ModelLoadError(f"{path}: d2t maps draft tokens outside the target's vocabulary 0..{vocab - 1}")
     return head, layers
-
-
-def load_eagle1_vocab(directory: Path, vocab_size: int) -> torch.Tensor | None:
-    """The reduced vocabulary an EAGLE-1 head drafts over, if it was trained on one."""
-    return load_draft_vocab(directory, vocab_size)
 
 
 def save_head(head: EagleHead, directory: Path, meta: dict, capture_layers: list[int],

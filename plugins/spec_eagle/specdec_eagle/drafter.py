@@ -19,13 +19,14 @@ import attrs
 import torch
 
 from specdec import Drafter, DraftProposal, hookimpl
+from specdec.draft_checkpoint import load_draft_vocab
 from specdec.draft_runner import DraftInput, DraftRunner, draft_attention
 from specdec.errors import FieldError, ModelLoadError
 from specdec.models import EMBEDDED_NAME, resolve_model_dir
 from specdec.sampler import pick_draft_token
 from specdec.tree import DynamicTree, StaticTree
 
-from .checkpoint import SHIPPED_HEADS, load_eagle1_vocab, load_head
+from .checkpoint import SHIPPED_HEADS, load_head
 
 log = logging.getLogger(__name__)
 STATE = "eagle"
@@ -156,7 +157,7 @@ class EagleDrafter(Drafter):
             head.embed_tokens = parts.embed_tokens
         if self.generation == 1:
             head.lm_head = parts.lm_head
-            vocab = load_eagle1_vocab(directory, target.vocab_size)
+            vocab = load_draft_vocab(directory, target.vocab_size)  # the tokens it was trained on
             if vocab is not None:
                 head.restrict_vocab(vocab)
         self.head = head.to_serving(target.device, target.dtype).eval()
