@@ -52,6 +52,9 @@ class CategoryResult:
                 "acceptance_length": self.metrics.acceptance_length,
                 "per_position_acceptance": self.metrics.per_position_acceptance,
                 "draft_time_share": self.metrics.draft_time / self.seconds if self.seconds else 0.0,
+                "mean_draft_len": self.metrics.mean_draft_len,
+                "speculation_off_share": (self.metrics.num_steps_speculation_off / self.metrics.num_steps
+                                          if self.metrics.num_steps else 0.0),
                 "drafter_faults": self.metrics.num_drafter_faults}
 
 
@@ -129,7 +132,7 @@ def hf_systems(llm: LLM, max_tokens: int, assistant_layers: int) -> dict:
 def print_table(report: dict, file=sys.stdout) -> None:
     cats = report["categories"]
     print(f"{'method':<28}{'category':<18}{'tok/s':>8}{'speedup':>9}{'TTFT ms':>9}{'TPOT ms':>9}{'acc.len':>8}"
-          f"{'draft%':>8}{'faults':>7}{'same':>7}  per-position acceptance", file=file)
+          f"{'draft%':>8}{'k':>6}{'off%':>6}{'faults':>7}{'same':>7}  per-position acceptance", file=file)
     for method, per_cat in report["results"].items():
         for cat in cats + ["all"]:
             r = per_cat.get(cat)
@@ -140,6 +143,7 @@ def print_table(report: dict, file=sys.stdout) -> None:
             print(f"{method:<28}{cat:<18}{r['tokens_per_s']:>8.1f}{r['speedup_vs_plain']:>8.2f}x"
                   f"{ms(r.get('time_to_first_token_s')):>9}{ms(r.get('time_per_output_token_s')):>9}"
                   f"{r.get('acceptance_length', 0):>8.2f}{100 * r.get('draft_time_share', 0):>7.1f}%"
+                  f"{r.get('mean_draft_len', 0):>6.1f}{100 * r.get('speculation_off_share', 0):>5.0f}%"
                   f"{r.get('drafter_faults', 0):>7}{r.get('identical_to_plain') or '-':>7}  {pos}", file=file)
 
 
@@ -231,9 +235,13 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
         runners = {label: (lambda convs, res, llm=llm: run_llm(llm, convs, params, batch_size, res))
                    for label, llm in llms.items()}
         runners.update(systems)
-        # Interleaved, category by category, so a machine that slows down mid-run biases no method.
-        for category, conversations in prompt_sets.items():
-            for name, run in runners.items():
+        # Interleaved, category by category, in an order that rotates from one category to the
+        # next: neither a machine that slows down mid-run nor a system's place in the order
+        # biases a method.
+        order = list(runners.items())
+        for turn, (category, conversations) in enumerate(prompt_sets.items(), start=rep * len(prompt_sets)):
+            shift = turn % len(order)
+            for name, run in order[shift:] + order[:shift]:
                 progress.set_postfix_str(f"{name}: {category}")
                 run(conversations, raw[name][category])
                 progress.update(1)

@@ -82,7 +82,9 @@ def _print_stats(outputs, elapsed: float, file=None) -> None:
     print(f"\n[specdec] {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tok/s; "
           f"target steps {total.num_steps}, acceptance length {total.acceptance_length:.2f}, "
           f"draft tokens {total.num_draft_tokens}, accepted {total.num_accepted_tokens}, "
-          f"per-position acceptance [{per_pos}], drafter faults {total.num_drafter_faults}", file=file or sys.stderr)
+          f"per-position acceptance [{per_pos}], mean draft length {total.mean_draft_len:.2f}, "
+          f"steps with speculation off {total.num_steps_speculation_off}, "
+          f"drafter faults {total.num_drafter_faults}", file=file or sys.stderr)
 
 
 def cmd_plugins(args) -> int:

@@ -62,6 +62,19 @@ class SpeculativeConfig:
             name); ``None``: chains, as many nodes as ``max_draft_len``. The scheduler
             charges these nodes against ``engine.max_num_tokens``; a larger proposal is
             trimmed to its first nodes, with a warning.
+        adaptive: each step, give each request the draft depth (tree: the depth and the
+            nodes it brings) that maximises the step's expected tokens per second, from
+            the request's live acceptance per draft position and the step cost the
+            engine measures; zero when drafts do not pay, with a one-level probe after
+            ``probe_interval`` steps (twice as long after each probe that does not pay,
+            up to 8x) to turn speculation back on
+            (:mod:`specdec.executor.draft_planner`). ``max_draft_len`` and
+            ``max_total_draft_tokens`` are the upper bounds. Setting
+            ``draft_len_schedule`` or ``min_acceptance_rate`` replaces it with those
+            manual rules; ``false`` drafts ``max_draft_len`` every step (what a
+            ``seed`` needs to reproduce sampled output: measured step times vary).
+        probe_interval: steps without drafts after which a request the planner keeps from
+            drafting tries a one-level draft again.
         draft_len_schedule: batch size -> draft length. For ``B`` running requests the
             entry with the largest key ``<= B`` applies; ``0`` turns speculation off. A
             tree's node budget shrinks in proportion to its depth.
@@ -73,6 +86,8 @@ class SpeculativeConfig:
     decoding_type: str
     max_draft_len: int = attrs.field(default=4, validator=in_range(1, 64))
     max_total_draft_tokens: int | None = attrs.field(default=None, validator=in_range(1, 1024))
+    adaptive: bool = True
+    probe_interval: int = attrs.field(default=16, validator=in_range(1, None))
     draft_len_schedule: dict[int, int] | None = attrs.field(default=None)
     min_acceptance_rate: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
     acceptance_window: int = attrs.field(default=8, validator=in_range(1, None))
@@ -110,11 +125,19 @@ class SpeculativeConfig:
         the method's default (chains: ``max_draft_len``)."""
         return self.max_total_draft_tokens or self.max_draft_len
 
+    @property
+    def is_adaptive(self) -> bool:
+        """Whether the adaptive planner chooses draft depths (no manual rule given)."""
+        return self.adaptive and not self.draft_len_schedule and self.min_acceptance_rate == 0
+
+    def nodes_for_depth(self, depth: int) -> int:
+        """Tree nodes a request may draft at ``depth``: the node budget in proportion."""
+        return max(depth, self.node_budget() * depth // self.max_draft_len) if depth else 0
+
     def draft_shape_for_batch(self, batch_size: int) -> tuple[int, int]:
         """(depth, nodes) a request may draft with ``batch_size`` requests running."""
         depth = self.draft_len_for_batch(batch_size)
-        total = self.node_budget()
-        return depth, (max(depth, total * depth // self.max_draft_len) if depth else 0)
+        return depth, self.nodes_for_depth(depth)
 
 
 @attrs.frozen(kw_only=True)

@@ -7,6 +7,7 @@ convenient base: it keeps the method's config and the target model.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Literal
 
 import attrs
@@ -39,6 +40,10 @@ class DraftProposal:
         aux_token_ids: tokens forwarded with the tree but never accepted (lookahead's
             Jacobi window); their logits come back in :attr:`StepResult.aux_logits`.
         aux_position_offsets: the position of each aux token relative to the root.
+        kind: what sort of draft this is, for the adaptive planner's acceptance estimate
+            (ngram: its match length): drafts of one kind share an estimate per draft
+            position, so a drafter that knows some of its drafts are better than others
+            gets them verified deeper. ``None``: one estimate for all.
     """
 
     token_ids: list[int]
@@ -47,6 +52,7 @@ class DraftProposal:
     sibling_sampling: SiblingSampling = "deterministic"
     aux_token_ids: list[int] = attrs.Factory(list)
     aux_position_offsets: list[int] = attrs.Factory(list)
+    kind: Hashable = None
 
     def __attrs_post_init__(self):
         n = len(self.token_ids)
@@ -103,6 +109,10 @@ def proposal_problem(proposal, vocab_size: int) -> str | None:
         return f"draft_probs has shape {tuple(proposal.draft_probs.shape)}, expected ({n}, {vocab_size})"
     if len(proposal.aux_token_ids) != len(proposal.aux_position_offsets):
         return "aux_token_ids and aux_position_offsets differ in length"
+    try:
+        hash(proposal.kind)
+    except TypeError:
+        return f"kind {proposal.kind!r:.40} is not hashable"
     return None
 
 

@@ -86,13 +86,16 @@ def prepare_draft_tokens(requests: list[Request], draft_lens: list[int],
 
     Called once per engine step for the requests that speculate this step (those still
     prefilling, or with speculation switched off, are left out). The first implementation
-    returning a non-None list decides.
+    returning a non-None list decides. The adaptive planner may then verify a proposal
+    less deep than proposed (or not at all) where deeper drafts of its
+    :attr:`~specdec.drafting.DraftProposal.kind` do not pay.
 
     :param requests: the requests; ``request.token_ids`` holds prompt and accepted output,
         ``request.drafter_state`` is a dict the drafter may keep per-request state in, and
         ``request.generator`` the request's seeded ``torch.Generator`` for sampling drafts.
     :param draft_lens: the most draft tokens (tree: most depth) each request may get this
-        step, after the draft-length schedule and the acceptance-based switch.
+        step: the adaptive planner's choice, or the draft-length schedule's and the
+        acceptance-based switch's where those are configured.
     :param max_nodes: the most tree nodes each request may get this step
         (``max_total_draft_tokens`` within the step's token budget; for chains it equals
         ``draft_lens``). Nodes beyond it are trimmed, last nodes first: list the best first.

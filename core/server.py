@@ -69,12 +69,20 @@ class _EngineCollector:
                                  ("specdec_accepted_tokens", "draft tokens accepted", totals.num_accepted_tokens),
                                  ("specdec_target_steps", "target forwards while decoding", totals.num_steps),
                                  ("specdec_preemptions", "running requests preempted for KV room",
-                                  engine.scheduler.num_preemptions)):
+                                  engine.scheduler.num_preemptions),
+                                 ("specdec_speculation_off_steps",
+                                  "decode steps the adaptive planner left without drafts (they would not pay)",
+                                  totals.num_steps_speculation_off)):
             yield CounterMetricFamily(name, doc, value=value)
         faults = CounterMetricFamily("specdec_drafter_faults", "steps whose drafts a failing drafter cost",
                                      labels=["decoding_type"])
         faults.add_metric([engine.spec.decoding_type if engine.spec else "none"], totals.num_drafter_faults)
         yield faults
+        depths = CounterMetricFamily("specdec_draft_len_steps", "decode steps by the depth of the draft verified",
+                                     labels=["draft_len"])
+        for depth, steps in enumerate(totals.draft_len_counts):
+            depths.add_metric([str(depth)], steps)
+        yield depths
         yield GaugeMetricFamily("specdec_acceptance_length", "mean tokens per target step, finished requests",
                                 value=totals.acceptance_length)
         per_position = GaugeMetricFamily("specdec_per_position_acceptance", "acceptance rate by draft position",

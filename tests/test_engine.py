@@ -182,7 +182,7 @@ def test_acceptance_switch_pauses_a_request_that_is_never_accepted(tiny_models):
 
 
 def test_metrics_names(smol):
-    llm = LLM(dtype="float32", speculative_config={"decoding_type": "ngram", "max_draft_len": 4})
+    llm = LLM(dtype="float32", speculative_config={"decoding_type": "ngram", "max_draft_len": 4, "adaptive": False})
     text = "one two three four five six seven eight nine ten. " * 3
     out = llm.generate("Repeat exactly: " + text, SamplingParams(max_tokens=40, temperature=0))[0]
     m = out.metrics
@@ -376,7 +376,8 @@ def test_drafter_faults_cost_drafts_never_output_and_are_counted(tiny_models, fa
     plain = LLM(model=model, dtype="float32").generate(prompts, params)
     oracle = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
     llm = LLM(model=model, dtype="float32", speculative_config={
-        "decoding_type": "user", "drafter": _FaultyOracle(fault, oracle, victim=5), "max_draft_len": 3})
+        "decoding_type": "user", "drafter": _FaultyOracle(fault, oracle, victim=5), "max_draft_len": 3,
+        "adaptive": False})  # every step asks the drafter
     with caplog.at_level("ERROR", logger="specdec.executor.engine"):
         outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
@@ -400,7 +401,8 @@ def test_drafter_faults_show_in_stats_metrics_and_bench(tiny_models, capsys):
 
     model = str(tiny_models["llama"])
     llm = LLM(model=model, dtype="float32", speculative_config={
-        "decoding_type": "user", "drafter": _FaultyOracle("raise", {}, victim=0), "max_draft_len": 3})
+        "decoding_type": "user", "drafter": _FaultyOracle("raise", {}, victim=0), "max_draft_len": 3,
+        "adaptive": False})  # every step asks the drafter
     outs = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     steps = outs[0].metrics.num_drafter_faults
     assert steps >= outs[0].metrics.num_steps - 1 > 0

@@ -57,6 +57,38 @@ def test_paged_attention_matches_reference(case):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def naive_attention(query, keys, values, layout, scale):
+    """Each sequence alone, in float64: its queries over its own cached and new keys."""
+    heads, kv_heads = query.shape[0], keys.shape[1]
+    out, row = [], 0
+    for s in layout.seqs:
+        n = len(s.positions)
+        slots = layout._slots(s, 0, s.start + n)
+        k = keys[slots].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        v = values[slots].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        scores = query[:, row:row + n].double() @ k.transpose(1, 2) * scale
+        visible = torch.ones(n, s.start + n, dtype=torch.bool)
+        visible[:, s.start:] = layout._tree(s)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out.append((scores.softmax(-1) @ v).transpose(0, 1))
+        row += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("case", [1, 2, 3])
+def test_batched_reference_attends_each_sequence_over_its_own_keys(case):
+    heads, kv_heads, dim, bs, shapes, _, _ = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    layout = random_layout(gen, bs, 64, shapes)
+    layout.device = torch.device("cpu")
+    keys = torch.randn(64 * bs, kv_heads, dim, generator=gen)
+    values = torch.randn(64 * bs, kv_heads, dim, generator=gen)
+    query = torch.randn(heads, layout.num_tokens, dim, generator=gen)
+    got = paged_attention_torch(query, keys, values, layout, dim ** -0.5)
+    torch.testing.assert_close(got.double(), naive_attention(query, keys, values, layout, dim ** -0.5),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_paged_attention_bfloat16_cache():
     gen = torch.Generator().manual_seed(9)
     layout = random_layout(gen, 8, 32, [(19, 4, True), (5, 1, False)])

@@ -191,4 +191,8 @@ def test_metrics_are_prometheus_exposition_with_histograms(server):
     count = [s.value for s in families["specdec_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
     assert count and count[0] >= 1
     assert {"specdec_time_per_output_token_seconds", "specdec_drafter_faults", "specdec_preemptions",
-            "specdec_kv_cache_usage"} <= set(families)
+            "specdec_kv_cache_usage", "specdec_speculation_off_steps"} <= set(families)
+    by_depth = {s.labels["draft_len"]: s.value for s in families["specdec_draft_len_steps"].samples
+                if s.name.endswith("_total")}
+    steps = [s.value for s in families["specdec_target_steps"].samples if s.name.endswith("_total")][0]
+    assert by_depth and sum(by_depth.values()) == steps  # every decode step counted under its draft depth

@@ -2,11 +2,13 @@
 
 One call of :meth:`Engine.step` is one target forward for every scheduled request::
 
-    scheduler.schedule  -> drafter hooks propose (prepare_draft_tokens)
+    scheduler.schedule  -> planner picks each request's draft depth (draft_planner.py)
+      -> drafter hooks propose (prepare_draft_tokens) -> planner trims each proposal
       -> build_tree_mask  -> one packed target forward over prompt chunks and drafts
       -> sampler accepts a path and draws the bonus/correction token
       -> KV cache keeps the accepted path (compacts a tree path), frees the rest
       -> drafter hooks observe the result (on_draft_verified) -> stop conditions
+      -> planner learns the step's cost and each request's acceptance
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import torch
 from ..config import EngineConfig, SpeculativeConfig
 from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..errors import RequestError
-from ..kernels import AttentionLayout, SequenceSlice
+from ..kernels import AttentionLayout, SequenceSlice, use_triton
 from ..kvcache import KVCacheManager, PagedKVCache
 from ..sampler import (Verdict, apply_repetition_penalty, probs_from_logits, verify_greedy, verify_greedy_batch,
                        verify_sampled)
 from ..sampling_params import SamplingParams
+from .draft_planner import DraftPlanner, StepShape, attention_work
 from .metrics import RequestMetrics
 from .model_runner import ForwardMetadata, TargetModel
 from .request import Request, Status
@@ -93,6 +96,10 @@ class Engine:
         self.kv = KVCacheManager(cache, num_blocks, config.block_size, reuse)
         self.scheduler = Scheduler(config, self.kv)
         self.acceptance_rule = spec.acceptance_rule() if spec is not None else None
+        self.planner = (DraftPlanner(spec.nodes_for_depth, spec.probe_interval)
+                        if spec is not None and spec.is_adaptive else None)
+        # the torch reference pads a batch's sequences to the widest; the paged kernel does not
+        self._padded_attention = not use_triton(torch.empty(0, device=target.device), "paged_attention_triton")
         self._warned: set[str] = set()
         #: drafter faults by kind (the requests' ``num_drafter_faults`` summed).
         self.drafter_faults: dict[str, int] = {}
@@ -168,15 +175,26 @@ class Engine:
         return depth, (min(nodes, allowance) if depth else 0)
 
     def step(self) -> list[StepOutput]:
+        started = time.perf_counter()
         batch_size = len(self.scheduler.running) + min(len(self.scheduler.waiting), 1)
         nodes = self.spec.draft_shape_for_batch(max(batch_size, 1))[1] if self.spec else 0
         plan = self.scheduler.schedule(draft_budget=nodes)
         if plan.empty:
             return []
         items = [self._prefill_item(req, n) for req, n in plan.prefills]
-        items += self._decode_items(plan.decodes, plan.draft_allowance, len(self.scheduler.running))
+        before_drafts = StepShape([(it.start, len(it.tokens)) for it in items]
+                                  + [(r.num_computed, 1) for r in plan.decodes], padded=self._padded_attention)
+        decodes, draft_seconds = self._decode_items(plan.decodes, plan.draft_allowance,
+                                                    len(self.scheduler.running), before_drafts)
+        items += decodes
         logits, hidden = self._forward(items)
-        return self._settle(items, logits, hidden)
+        outputs = self._settle(items, logits, hidden)
+        if self.planner is not None:
+            sequences = [(it.start, len(it.tokens)) for it in items]
+            self.planner.costs.observe_step(sum(n for _, n in sequences),
+                                            attention_work(sequences, self._padded_attention),
+                                            time.perf_counter() - started - draft_seconds)
+        return outputs
 
     def _prefill_item(self, req: Request, n: int) -> _Item:
         start = req.num_computed
@@ -185,10 +203,17 @@ class Engine:
                      positions=torch.arange(start, start + n), tree_mask=None,
                      num_logits=1 if done and req.num_output_tokens == 0 else 0, is_prefill=True)
 
-    def _decode_items(self, reqs: list[Request], allowances: list[int], batch_size: int) -> list[_Item]:
+    def _decode_items(self, reqs: list[Request], allowances: list[int], batch_size: int,
+                      before_drafts: StepShape) -> tuple[list[_Item], float]:
+        """The decode items of the step, with their drafts, and the seconds spent drafting
+        (``before_drafts``: the step's sequences, for the adaptive planner)."""
         shapes = [self._draft_shape(r, batch_size, a) for r, a in zip(reqs, allowances)]
+        if self.planner is not None and self.hooks is not None:
+            depths = self.planner.plan(reqs, shapes, before_drafts)
+            shapes = [(d, min(n, self.spec.nodes_for_depth(d))) for d, (_, n) in zip(depths, shapes)]
         proposals: list[DraftProposal | None] = [None] * len(reqs)
         speculating = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
+        spent = 0.0
         if speculating and self.hooks is not None:
             started = time.perf_counter()
             try:
@@ -202,26 +227,40 @@ class Engine:
             except Exception as exc:  # a failing drafter costs speed, never output
                 self._drafter_fault([reqs[i] for i in speculating], "prepare_draft_tokens raised", exc)
                 got = None
-            spent = (time.perf_counter() - started) / len(speculating)
+            spent = time.perf_counter() - started
+            if self.planner is not None:
+                self.planner.costs.observe_draft(max(shapes[i][0] for i in speculating), spent)
+            answered = []  # requests whose drafter answered without a fault
             for i, prop in zip(speculating, got or []):
-                reqs[i].metrics.draft_time += spent
+                reqs[i].metrics.draft_time += spent / len(speculating)
                 problem = None if prop is None else proposal_problem(prop, self.target.vocab_size)
                 if problem:
                     self._drafter_fault([reqs[i]], "invalid proposal", problem)
                     continue
-                proposals[i] = self._fit_proposal(reqs[i], prop, *shapes[i])
+                answered.append(i)
+                if prop is not None:
+                    proposals[i] = self._trim_proposal(prop, *shapes[i])
+            if self.planner is not None:
+                self.planner.observe_asks([reqs[i] for i in answered], [proposals[i] for i in answered])
+        if self.planner is not None and any(p is not None for p in proposals):
+            depths = self.planner.trim(reqs, proposals, before_drafts)
+            proposals = [p if p is None or p.depth <= d else self._keep_depth(p, d)
+                         for p, d in zip(proposals, depths)]
         items = []
         for req, prop in zip(reqs, proposals):
             root = req.num_computed
+            if prop is not None and not self.kv.can_reserve(req, 1 + len(prop.token_ids) + len(prop.aux_token_ids)):
+                prop = None  # no KV room for drafts now: decode one token
             mask = None if prop is None else self._tree_mask(req, prop)
             if mask is None:
                 items.append(_Item(request=req, tokens=[req.token_ids[-1]], start=root,
                                    positions=torch.tensor([root]), tree_mask=None, num_logits=1))
                 continue
             tokens = [req.token_ids[-1], *prop.token_ids, *prop.aux_token_ids]
+            self.kv.reserve(req, len(tokens))
             items.append(_Item(request=req, tokens=tokens, start=root, positions=root + mask.position_offsets,
                                tree_mask=mask.mask, num_logits=len(tokens), proposal=prop))
-        return items
+        return items, spent
 
     def _tree_mask(self, req: Request, prop: DraftProposal) -> TreeMask | None:
         """The proposal's verification mask, or None (a drafter fault: no drafts this step)."""
@@ -254,29 +293,29 @@ class Engine:
             self._warned.add(kind)
             log.warning(message + " (logged once)", *args)
 
-    def _fit_proposal(self, req: Request, prop: DraftProposal | None, max_depth: int,
-                      max_nodes: int) -> DraftProposal | None:
-        """Trim a proposal to the allowed depth and node count and to the KV room there is;
-        None if nothing is left. Nodes come parents first, so the first ``max_nodes`` of
-        them are a tree (drafters list their best nodes first)."""
-        if prop is None or not (prop.token_ids or prop.aux_token_ids):
+    def _trim_proposal(self, prop: DraftProposal, max_depth: int, max_nodes: int) -> DraftProposal | None:
+        """A proposal trimmed to the allowed depth and node count; None if nothing is left.
+        Nodes come parents first, so the first ``max_nodes`` of them are a tree (drafters
+        list their best nodes first)."""
+        if not (prop.token_ids or prop.aux_token_ids):
             return None
         if prop.depth > max_depth:
             if not prop.is_chain:
                 self._log_once("depth", "drafter proposed a tree of depth %d > draft length %d; trimmed",
                                prop.depth, max_depth)
-            prop = prop.subset([i for i, d in enumerate(prop.depths()) if d <= max_depth])
-        if len(prop.token_ids) > max_nodes:
+            prop = self._keep_depth(prop, max_depth)
+        if prop is not None and len(prop.token_ids) > max_nodes:
             self._log_once("nodes", "drafter proposed %d nodes > max_total_draft_tokens %d; trimmed to its "
                            "first nodes", len(prop.token_ids), max_nodes)
             prop = prop.subset(list(range(max_nodes)))
-        if not (prop.token_ids or prop.aux_token_ids):
+        return prop if prop is not None and (prop.token_ids or prop.aux_token_ids) else None
+
+    @staticmethod
+    def _keep_depth(prop: DraftProposal, depth: int) -> DraftProposal | None:
+        """The proposal's nodes down to ``depth``; None for depth 0 (its aux tokens go too)."""
+        if depth == 0:
             return None
-        extra = len(prop.token_ids) + len(prop.aux_token_ids)
-        if not self.kv.can_reserve(req, 1 + extra):
-            return None  # no KV room for drafts now: decode one token
-        self.kv.reserve(req, 1 + extra)
-        return prop
+        return prop.subset([i for i, d in enumerate(prop.depths()) if d <= depth])
 
     def _forward(self, items: list[_Item]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         device = self.target.device
@@ -400,6 +439,9 @@ class Engine:
     def _record(self, req: Request, prop: DraftProposal | None, accepted: int, emitted: int) -> None:
         depth = prop.depth if prop is not None else 0
         req.metrics.record_step(depth, len(prop.token_ids) if prop is not None else 0, accepted, emitted)
+        req.steps_without_drafts = 0 if depth else req.steps_without_drafts + 1
+        if depth and self.planner is not None:
+            self.planner.observe(req, prop.kind, depth, accepted)
         if depth == 0 or self.spec is None or self.spec.min_acceptance_rate <= 0:
             return
         req.recent_acceptance.append(accepted / depth)

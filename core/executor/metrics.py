@@ -10,6 +10,9 @@ class RequestMetrics:
     """Counters of one request.
 
     ``num_steps`` counts target forwards while decoding (after the prompt);
+    ``draft_len_counts[d]`` the steps that verified a draft of depth ``d`` (0: none);
+    ``num_steps_speculation_off`` the steps the adaptive planner chose not to draft for
+    the request because drafts would not pay;
     ``num_drafter_faults`` the steps whose drafts were dropped because the drafter failed
     (raised, or proposed something invalid); ``lossless`` is False once an opt-in lossy
     acceptance rule verified a draft of the request;
@@ -25,6 +28,8 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     drafted_at: list[int] = attrs.Factory(list)
+    draft_len_counts: list[int] = attrs.Factory(list)
+    num_steps_speculation_off: int = 0
     accepted_at: list[int] = attrs.Factory(list)
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -38,6 +43,9 @@ class RequestMetrics:
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
         self.num_decode_tokens += num_emitted
+        while len(self.draft_len_counts) <= depth_proposed:
+            self.draft_len_counts.append(0)
+        self.draft_len_counts[depth_proposed] += 1
         while len(self.drafted_at) < depth_proposed:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
@@ -51,6 +59,11 @@ class RequestMetrics:
         return self.num_decode_tokens / self.num_steps if self.num_steps else 0.0
 
     @property
+    def mean_draft_len(self) -> float:
+        """Mean depth of the drafts verified per step, steps without drafts included."""
+        return sum(d * n for d, n in enumerate(self.draft_len_counts)) / self.num_steps if self.num_steps else 0.0
+
+    @property
     def per_position_acceptance(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
@@ -60,7 +73,8 @@ class RequestMetrics:
 
     def merge(self, other: RequestMetrics) -> None:
         for name in ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_decode_tokens",
-                     "num_prompt_tokens", "num_cached_prompt_tokens", "draft_time", "num_drafter_faults"):
+                     "num_prompt_tokens", "num_cached_prompt_tokens", "draft_time", "num_drafter_faults",
+                     "num_steps_speculation_off"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.lossless = self.lossless and other.lossless
         for k in range(len(other.drafted_at)):
@@ -69,11 +83,17 @@ class RequestMetrics:
                 self.accepted_at.append(0)
             self.drafted_at[k] += other.drafted_at[k]
             self.accepted_at[k] += other.accepted_at[k]
+        for d, n in enumerate(other.draft_len_counts):
+            if d >= len(self.draft_len_counts):
+                self.draft_len_counts.append(0)
+            self.draft_len_counts[d] += n
 
     def as_dict(self) -> dict:
         return {"num_steps": self.num_steps, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_length": self.acceptance_length,
                 "per_position_acceptance": self.per_position_acceptance,
+                "mean_draft_len": self.mean_draft_len, "draft_len_counts": self.draft_len_counts,
+                "num_steps_speculation_off": self.num_steps_speculation_off,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
                 "time_to_first_token": self.time_to_first_token, "num_drafter_faults": self.num_drafter_faults,
                 "lossless": self.lossless}

@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from ..sampling_params import SamplingParams
+from .draft_planner import AcceptanceStats
 from .metrics import RequestMetrics
 
 
@@ -25,7 +26,8 @@ class Request:
     ``token_ids`` holds the prompt followed by every accepted output token;
     ``num_computed`` tokens of it have their K/V committed in ``block_table``'s blocks.
     While decoding, the last token is not in the cache yet: it is the root of the next
-    draft. ``drafter_state`` is a free dict for the drafter's per-request state.
+    draft. ``drafter_state`` is a free dict for the drafter's per-request state;
+    ``draft_stats`` the adaptive planner's acceptance estimate for this request.
     """
 
     request_id: str
@@ -42,6 +44,9 @@ class Request:
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)
     recent_acceptance: deque = attrs.Factory(lambda: deque(maxlen=64))
     speculation_paused_until: int = 0  # decode step count at which speculation resumes
+    draft_stats: AcceptanceStats | None = None
+    steps_without_drafts: int = 0  # decode steps since a draft was last verified
+    probe_after: int = 0  # steps without drafts before the planner probes again (0: its default)
     stop_text: str | None = None  # the output text cut before a stop string that ended it
 
     @property

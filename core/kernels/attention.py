@@ -23,7 +23,13 @@ def paged_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_poo
 
     Returns:
         ``[T, heads, value_dim]``.
+
+    A batch of sequences attends one padded row per sequence, each over its own keys; one
+    sequence, sliding windows, soft-capping and pending draft nodes use the packed dense
+    mask (every query against the whole packed batch's keys, which costs ``T * S``).
     """
+    if len(layout.seqs) > 1 and not layout.has_pending and sliding_window is None and softcap is None:
+        return _padded_attention(query, key_pool, value_pool, layout, scale)
     k = key_pool.index_select(0, layout.context_slots).transpose(0, 1)
     v = value_pool.index_select(0, layout.context_slots).transpose(0, 1)
     mask = layout.window_mask(sliding_window) if sliding_window else layout.dense_mask
@@ -46,3 +52,24 @@ def paged_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_poo
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1)
+
+
+def _padded_attention(query, key_pool, value_pool, layout: AttentionLayout, scale: float) -> torch.Tensor:
+    """A batch of sequences on padded rows (:attr:`AttentionLayout.padded`): every query
+    attends over its own sequence's keys only, not the whole packed batch's."""
+    heads, tokens, dim = query.shape
+    kv_heads = key_pool.shape[1]
+    rep = heads // kv_heads
+    out = query.new_empty(tokens, heads, value_pool.shape[-1])
+    for pad in layout.padded:
+        batch, rows, width = pad["mask"].shape
+        k = key_pool.index_select(0, pad["slots"]).view(batch, width, kv_heads, -1).transpose(1, 2)
+        v = value_pool.index_select(0, pad["slots"]).view(batch, width, kv_heads, -1).transpose(1, 2)
+        # [heads, B * N, dim] -> [B, kv_heads, rep * N, dim]: the query heads sharing a KV head folded
+        q = query.index_select(1, pad["queries"]).view(kv_heads, rep, batch, rows, dim)
+        q = q.permute(2, 0, 1, 3, 4).reshape(batch, kv_heads, rep * rows, dim)
+        mask = pad["mask"][:, None].expand(batch, rep, rows, width).reshape(batch, 1, rep * rows, width)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        o = o.view(batch, kv_heads, rep, rows, -1).permute(0, 3, 1, 2, 4).reshape(batch * rows, heads, -1)
+        out.index_copy_(0, pad["tokens"], o.index_select(0, pad["rows"]))
+    return out

@@ -1,8 +1,10 @@
 """Where one packed step's sequences keep their K/V, and which keys each query sees.
 
 Built once per step by the engine and shared by every layer. The torch reference reads
-it as packed context slots and a dense ``[T, S]`` mask; the Triton kernel reads block
-tables, per-sequence starts and the tree masks directly. Both are derived lazily, once.
+it as one padded row per sequence (:attr:`AttentionLayout.padded`), or, for one sequence,
+sliding windows, soft-capping and pending draft nodes, as packed context slots and a dense
+``[T, S]`` mask; the Triton kernel reads block tables, per-sequence starts and the tree
+masks directly. Each view is derived lazily, once.
 """
 
 from __future__ import annotations
@@ -11,6 +13,12 @@ from functools import cached_property
 
 import attrs
 import torch
+
+
+def width_group(num_new: int) -> int:
+    """The padding group of a sequence with ``num_new`` new tokens in a step: sequences of
+    one group differ in width by less than 2x."""
+    return num_new.bit_length()
 
 
 def slot_ids(block_table: list[int], block_size: int, start: int, count: int) -> list[int]:
@@ -108,6 +116,46 @@ class AttentionLayout:
             q0 += n
             k0 += s.start + n
         return mask.to(self.device)
+
+    @cached_property
+    def padded(self) -> list[dict[str, torch.Tensor]]:
+        """The torch reference's view of a batch: sequences grouped by their number of new
+        tokens (1, 2-3, 4-7, ...: :func:`width_group`), each group on padded rows, so that
+        one wide sequence (a draft tree, a prompt chunk) does not pad every row of the
+        batch (attention work: per group, rows * widest * longest). Per group: ``slots [B * K]`` the keys' cache slots,
+        ``mask [B, N, K]`` which keys each query sees, ``queries [B * N]`` the packed token
+        of each padded query, ``rows [T_g]`` the padded row of each of the group's tokens
+        and ``tokens [T_g]`` their packed index. Padding sees slot 0 only."""
+        groups: dict[int, list[int]] = {}
+        for b, s in enumerate(self.seqs):
+            groups.setdefault(width_group(len(s.positions)), []).append(b)
+        first = [0]
+        for s in self.seqs:
+            first.append(first[-1] + len(s.positions))
+        out = []
+        for _, members in sorted(groups.items()):
+            seqs = [self.seqs[b] for b in members]
+            width = max(s.start + len(s.positions) for s in seqs)
+            rows = max(len(s.positions) for s in seqs)
+            slots = torch.zeros(len(seqs), width, dtype=torch.long)
+            mask = torch.zeros(len(seqs), rows, width, dtype=torch.bool)
+            mask[:, :, 0] = True
+            queries = torch.zeros(len(seqs), rows, dtype=torch.long)
+            padded_rows: list[int] = []
+            tokens: list[int] = []
+            for g, (b, s) in enumerate(zip(members, seqs)):
+                n, keys = len(s.positions), s.start + len(s.positions)
+                slots[g, :keys] = torch.tensor(self._slots(s, 0, keys))
+                mask[g, :n, :s.start] = True
+                mask[g, :n, s.start:keys] = self._tree(s)
+                queries[g, :n] = torch.arange(first[b], first[b] + n)
+                padded_rows += range(g * rows, g * rows + n)
+                tokens += range(first[b], first[b] + n)
+            out.append({"slots": slots.flatten().to(self.device), "mask": mask.to(self.device),
+                        "queries": queries.flatten().to(self.device),
+                        "rows": torch.tensor(padded_rows, device=self.device),
+                        "tokens": torch.tensor(tokens, device=self.device)})
+        return out
 
     def window_mask(self, window: int) -> torch.Tensor:
         """The dense mask narrowed to keys less than ``window`` positions back (built once per step)."""

@@ -28,7 +28,10 @@ def test_sampled_drafts_with_probabilities_keep_the_target_distribution(tmp_path
     _, accepted = testing.check_sampling_lossless({"decoding_type": "bigram", "max_draft_len": 3}, model,
                                                   prompt=list(range(10)) * 3, n=600)
     assert accepted > 0
-    llm = LLM(model=str(model), dtype="float32", speculative_config={"decoding_type": "bigram", "max_draft_len": 3})
+    # A seed reproduces sampled output when the draft lengths repeat too: the adaptive
+    # planner's lengths follow measured step times, so it is off here.
+    llm = LLM(model=str(model), dtype="float32",
+              speculative_config={"decoding_type": "bigram", "max_draft_len": 3, "adaptive": False})
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
     out, again = (llm.generate([list(range(20)) * 2], params)[0] for _ in range(2))
     assert again.token_ids == out.token_ids and out.metrics.num_draft_tokens > 0  # same seed, same output

@@ -35,7 +35,7 @@ def test_greedy_lossless_with_a_separate_draft_model(pair, tmp_path):
     target, _ = pair
     draft = testing.tiny_model_dir(tmp_path, seed=0, vocab_size=32)
     outs = testing.check_greedy_lossless({"decoding_type": "draft_target", "speculative_model": str(draft),
-                                          "max_draft_len": 3}, model=target,
+                                          "max_draft_len": 3, "adaptive": False}, model=target,
                                          prompts=[[1, 2, 3, 4] * 3, [5, 9, 11], list(range(20))])
     for o in outs:
         assert o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens and o.metrics.acceptance_length > 3.5
@@ -75,7 +75,8 @@ def test_sampling_follows_target_distribution_through_core_sampler(pair):
     """The 2nd token is verified against drafts sampled with their probabilities."""
     target, draft = pair
     _, accepted = testing.check_sampling_lossless({"decoding_type": "draft_target", "speculative_model": str(draft),
-                                                   "max_draft_len": 2}, target, prompt=[3, 4, 5, 6, 7])
+                                                   "max_draft_len": 2, "adaptive": False}, target,
+                                                  prompt=[3, 4, 5, 6, 7])
     assert accepted > 0
 
 

@@ -36,6 +36,10 @@ class LookaheadConfig(SpeculativeConfig):
     max_ngram_size: int = attrs.field(default=4, validator=in_range(2, 16))
     max_verification_set_size: int = attrs.field(default=5, validator=in_range(1, 64))
 
+    def node_budget(self) -> int:
+        """The trie of ``G`` n-grams: up to ``G * max_draft_len`` nodes."""
+        return self.max_total_draft_tokens or self.max_verification_set_size * self.max_draft_len
+
 
 class LookaheadState:
     """One request's Jacobi window and n-gram pool."""

@@ -5,7 +5,10 @@ seen in a sequence to the places it was followed by something. It is updated
 incrementally as tokens are accepted, never by rescanning the context. To draft, the
 longest suffix n-gram of the request that the pool knows is looked up and the tokens that
 followed it are proposed; since a place points into a live sequence, its continuation
-grows as that sequence does.
+grows as that sequence does. A proposal's ``kind`` is its match length, so the core's
+adaptive planner learns per request how far drafts from one-token matches and from longer
+matches are accepted, and verifies each as deep as it pays (often not at all for a
+one-token match).
 
 Options (defaults in brackets):
     max_draft_len [12]: tokens proposed per step.
@@ -16,11 +19,14 @@ Options (defaults in brackets):
         TensorRT-LLM does).
     is_use_oldest [true]: draft from the oldest place, or the newest.
     max_places_per_ngram [8]: places kept per n-gram, bounding the pool's memory.
+    max_pool_ngrams [262144]: n-grams a pool keeps; beyond it the least recently seen go
+        (with them the finished sequences only they pointed into), so a long-running
+        server's public pool stays bounded.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 import attrs
 
@@ -40,6 +46,7 @@ class NGramConfig(SpeculativeConfig):
     is_keep_all: bool = True
     is_use_oldest: bool = True
     max_places_per_ngram: int = attrs.field(default=8, validator=in_range(1, 1024))
+    max_pool_ngrams: int = attrs.field(default=1 << 18, validator=in_range(1, None))
 
     @min_matching_ngram_size.validator
     def _check_min(self, attribute, value):
@@ -55,7 +62,8 @@ class NGramPool:
         self.sizes = range(config.max_matching_ngram_size, config.min_matching_ngram_size - 1, -1)
         self.keep = config.max_places_per_ngram if config.is_keep_all else 1
         self.oldest = config.is_use_oldest
-        self.places: dict[tuple[int, ...], deque] = {}
+        self.capacity = config.max_pool_ngrams
+        self.places: OrderedDict[tuple[int, ...], deque] = OrderedDict()  # least recently seen first
 
     def index(self, seq: list[int], start: int, stop: int) -> None:
         """Record the n-grams ending just before each index in ``[start, stop)`` of ``seq``."""
@@ -67,12 +75,17 @@ class NGramPool:
                 found = self.places.get(key)
                 if found is None:
                     found = self.places[key] = deque(maxlen=self.keep)
-                elif self.oldest and self.keep > 1 and len(found) == self.keep:
-                    continue  # full, and the oldest places are the ones wanted
+                    if len(self.places) > self.capacity:
+                        self.places.popitem(last=False)
+                else:
+                    self.places.move_to_end(key)
+                    if self.oldest and self.keep > 1 and len(found) == self.keep:
+                        continue  # full, and the oldest places are the ones wanted
                 found.append((seq, i))
 
-    def lookup(self, seq: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the longest known suffix n-gram of ``seq``."""
+    def lookup(self, seq: list[int], k: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that followed the longest known suffix n-gram of ``seq``, and
+        the length of that n-gram (0: no match)."""
         length = len(seq)
         for n in self.sizes:
             if n > length:
@@ -83,8 +96,8 @@ class NGramPool:
             source, i = found[0] if self.oldest else found[-1]
             if source is seq and i >= length:
                 continue
-            return source[i:i + k]
-        return []
+            return source[i:i + k], n
+        return [], 0
 
 
 class NGramDrafter(Drafter):
@@ -108,8 +121,8 @@ class NGramDrafter(Drafter):
         proposals = []
         for req, k in zip(requests, draft_lens):
             self._catch_up(req)
-            draft = self._pool(req).lookup(req.token_ids, k)
-            proposals.append(DraftProposal(token_ids=draft) if draft else None)
+            draft, matched = self._pool(req).lookup(req.token_ids, k)
+            proposals.append(DraftProposal(token_ids=draft, kind=matched) if draft else None)
         return proposals
 
     @hookimpl

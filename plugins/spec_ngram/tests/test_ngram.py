@@ -19,26 +19,26 @@ def test_longest_suffix_match_wins():
     p = pool(max_matching_ngram_size=3)
     seq = [1, 2, 3, 4, 9, 3, 4, 5, 6, 2, 3, 4]
     p.index(seq, 0, len(seq))
-    assert p.lookup(seq, 2) == [9, 3]  # "2 3 4" -> 9 (not "3 4" -> 5)
-    assert p.lookup([7, 3, 4], 3) == [9, 3, 4]  # "3 4": the oldest place
+    assert p.lookup(seq, 2) == ([9, 3], 3)  # "2 3 4" -> 9 (not "3 4" -> 5)
+    assert p.lookup([7, 3, 4], 3) == ([9, 3, 4], 2)  # "3 4": the oldest place
 
 
 def test_newest_place_and_keep_only_the_newest():
     seq = [3, 4, 9, 8, 3, 4, 5, 6, 3, 4]
     newest = pool(is_use_oldest=False)
     newest.index(seq, 0, len(seq))
-    assert newest.lookup(seq, 2) == [5, 6]
+    assert newest.lookup(seq, 2) == ([5, 6], 2)
     single = pool(is_keep_all=False, is_use_oldest=True)
     single.index(seq, 0, len(seq))
-    assert len(single.places[(3, 4)]) == 1 and single.lookup(seq, 2) == [5, 6]
+    assert len(single.places[(3, 4)]) == 1 and single.lookup(seq, 2) == ([5, 6], 2)
 
 
 def test_min_match_length_and_no_match():
     p = pool(max_matching_ngram_size=3, min_matching_ngram_size=2)
     seq = [1, 2, 3, 5]
     p.index(seq, 0, len(seq))
-    assert p.lookup(seq + [3], 2) == []  # only a 1-gram would match
-    assert p.lookup([9, 9, 9], 2) == []
+    assert p.lookup(seq + [3], 2) == ([], 0)  # only a 1-gram would match
+    assert p.lookup([9, 9, 9], 2) == ([], 0)
 
 
 def test_pool_is_updated_incrementally_and_continuations_grow():
@@ -49,7 +49,35 @@ def test_pool_is_updated_incrementally_and_continuations_grow():
     seq.extend([3, 7])
     p.index(seq, 5, 7)
     assert sum(len(v) for v in p.places.values()) > before
-    assert p.lookup([1, 2], 4) == [3, 1, 2, 3]
+    assert p.lookup([1, 2], 4) == ([3, 1, 2, 3], 2)
+
+
+def test_pool_keeps_at_most_max_pool_ngrams_and_evicts_the_least_recently_seen():
+    p = pool(max_matching_ngram_size=2, min_matching_ngram_size=1, max_pool_ngrams=6)
+    old = [1, 2, 3, 4]
+    p.index(old, 0, len(old))  # 1-grams (1,) (2,) (3,) and 2-grams (1, 2) (2, 3)
+    assert len(p.places) == 5
+    p.index([1, 2, 9], 0, 3)  # sees (1,) (1, 2) again; adds (2,)->9 under a known key only
+    new = [7, 8, 7, 8]
+    p.index(new, 0, len(new))  # (7,) (8,) (7, 8) (8, 7): the pool overflows
+    assert len(p.places) == 6
+    assert (2, 3) not in p.places and (3,) not in p.places  # least recently seen went first
+    assert p.lookup([5, 1, 2], 1) == ([3], 2)  # recently seen ones stay
+    assert p.lookup([0, 7, 8], 2) == ([7, 8], 2)
+
+
+def test_proposals_carry_their_match_length_as_kind():
+    from types import SimpleNamespace
+
+    from specdec_ngram import NGramDrafter
+
+    drafter = NGramDrafter(NGramConfig(decoding_type="ngram", max_matching_ngram_size=3), target=None)
+    one = SimpleNamespace(drafter_state={}, token_ids=[4, 5, 6, 7, 8, 9, 1, 7])
+    (proposal,) = drafter.prepare_draft_tokens([one], [3])
+    assert proposal.kind == 1 and proposal.token_ids == [8, 9, 1]  # only "7" matches
+    three = SimpleNamespace(drafter_state={}, token_ids=[2, 5, 6, 7])
+    (proposal,) = drafter.prepare_draft_tokens([three], [2])
+    assert proposal.kind == 3 and proposal.token_ids == [8, 9]  # "5 6 7" in the public pool
 
 
 def test_public_pool_shares_across_requests(tmp_path):

@@ -1,0 +1,409 @@
+"""Adaptive draft lengths: each step, the draft depth of every request that maximises the
+expected tokens per second of the whole step, zero included.
+
+Two live estimates feed the choice, both measured while serving (no start-up calibration,
+no table to tune):
+
+* :class:`StepCostModel`: seconds of a step as a function of the tokens in its target
+  forward and of the attention they do (every step is a sample, prompt chunks
+  included), and seconds of drafting per draft level.
+* :class:`AcceptanceStats`: the chance that draft position ``j`` is accepted once
+  position ``j - 1`` was, per proposal kind (:attr:`DraftProposal.kind`: ngram's match
+  length, say), from counts that decay so the estimate follows the request; a request's
+  estimate leans on the engine-wide one of the same kind until it has its own evidence.
+
+:func:`best_depths` adds draft positions one at a time, the best expected gain per node
+first over all requests, and keeps the prefix with the highest expected tokens per second.
+:class:`DraftPlanner` runs it twice per step: before drafting, to tell each drafter the
+depth worth asking for (drafting time counted), and on the proposals, to trim each to the
+depth its own kind earns (drafting time already spent). A request the planner keeps from
+drafting is probed with a one-level draft after ``probe_interval`` steps, then after
+twice as many each time the probe does not pay (up to 8x), so that speculation comes
+back on when it would pay again at little cost while it does not.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Hashable
+
+import attrs
+
+from ..kernels.layout import width_group
+
+
+class StepCostModel:
+    """Seconds of a step, ``a + b * tokens + c * work``, and of drafting per level.
+
+    ``tokens`` is the number of target tokens in the step's forward (weights are streamed
+    once per step, each token adds matmul rows); ``work`` the attention it does in
+    thousands of query-key pairs (:meth:`AttentionLayout.attention_work`), which grows with
+    the batch's contexts and dominates extra tokens on CPU at larger batches. The
+    coefficients come from least squares over every step seen, older steps forgotten
+    geometrically so the model follows a machine that speeds up or slows down, and none of
+    them negative (the best fit over the subsets of features is kept).
+    """
+
+    def __init__(self, forgetting: float = 0.98, smoothing: float = 0.2):
+        self.forgetting = forgetting
+        self.smoothing = smoothing
+        self.xtx = [[0.0] * 3 for _ in range(3)]
+        self.xty = [0.0] * 3
+        self.yty = 0.0
+        self.num_steps = 0
+        self._coefficients: tuple[float, float, float] | None = None
+        self.draft_level_seconds = 0.0
+
+    def observe_step(self, num_tokens: int, work: float, seconds: float) -> None:
+        if num_tokens < 1 or seconds <= 0:
+            return
+        x = (1.0, float(num_tokens), work)
+        f = self.forgetting
+        for i in range(3):
+            self.xty[i] = f * self.xty[i] + x[i] * seconds
+            for j in range(3):
+                self.xtx[i][j] = f * self.xtx[i][j] + x[i] * x[j]
+        self.yty = f * self.yty + seconds * seconds
+        self.num_steps += 1
+        self._coefficients = None
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, c) of the best non-negative fit; before three steps, the mean step time
+        with a small per-token slope (drafts look nearly free, so speculation starts on
+        and gets measured)."""
+        if self._coefficients is not None:
+            return self._coefficients
+        if self.num_steps < 3:
+            mean = self.xty[0] / self.xtx[0][0] if self.num_steps else 1.0
+            return mean, mean / 256, 0.0
+        best, best_residual = None, math.inf
+        for features in ((0,), (0, 1), (0, 2), (0, 1, 2)):
+            beta = _solve([[self.xtx[i][j] + (1e-9 * self.xtx[i][i] if i == j else 0.0) for j in features]
+                           for i in features], [self.xty[i] for i in features])
+            if beta is None or any(v < 0 for v in beta):
+                continue
+            full = [0.0, 0.0, 0.0]
+            for i, v in zip(features, beta):
+                full[i] = v
+            residual = self.yty - 2 * sum(full[i] * self.xty[i] for i in range(3)) + sum(
+                full[i] * self.xtx[i][j] * full[j] for i in range(3) for j in range(3))
+            if residual < best_residual - 1e-15:
+                best, best_residual = full, residual
+        self._coefficients = tuple(best) if best is not None else (self.xty[0] / self.xtx[0][0], 0.0, 0.0)
+        return self._coefficients
+
+    def step_seconds(self, num_tokens: int, work: float = 0.0) -> float:
+        a, b, c = self.coefficients()
+        return a + b * num_tokens + c * work
+
+    def observe_draft(self, depth: int, seconds: float) -> None:
+        """A drafting call that asked for ``depth`` levels at most took ``seconds``."""
+        if depth < 1:
+            return
+        per_level = seconds / depth
+        if self.draft_level_seconds == 0.0:
+            self.draft_level_seconds = per_level
+        else:
+            self.draft_level_seconds += self.smoothing * (per_level - self.draft_level_seconds)
+
+    def draft_seconds(self, depth: int) -> float:
+        return self.draft_level_seconds * depth
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting for the small normal equations; None if
+    singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                factor = m[r][col] / m[col][col]
+                for k in range(col, n + 1):
+                    m[r][k] -= factor * m[col][k]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+@attrs.define
+class AcceptanceStats:
+    """Decayed counts, per proposal kind and draft position, of how often the position was
+    reached (its parent accepted) and accepted; a position's rate leans on ``prior``
+    (the engine-wide stats) with the weight of ``prior_weight`` observations."""
+
+    decay: float = 0.9
+    prior_weight: float = 3.0
+    prior: AcceptanceStats | None = None
+    initial_rate: float = 0.5
+    counts: dict[Hashable, list[list[float]]] = attrs.Factory(dict)  # kind -> [[reached, accepted], ...]
+    asks: list[float] = attrs.Factory(lambda: [0.0, 0.0])  # [times the drafter was asked, times it drafted]
+
+    def observe_ask(self, drafted: bool) -> None:
+        """The drafter was asked for a draft and proposed one (``drafted``) or nothing."""
+        self.asks[0] = self.asks[0] * self.decay + 1.0
+        self.asks[1] = self.asks[1] * self.decay + float(drafted)
+
+    def draft_rate(self) -> float:
+        """Chance that asking the drafter yields a draft (no match, an empty n-gram pool:
+        asking costs drafting time and, for lookahead, its window, for nothing)."""
+        prior = self.prior.draft_rate() if self.prior is not None else 1.0
+        return (self.asks[1] + self.prior_weight * prior) / (self.asks[0] + self.prior_weight)
+
+    def observe(self, kind: Hashable, depth: int, accepted: int) -> None:
+        """A draft of ``kind`` and ``depth`` had its first ``accepted`` positions accepted."""
+        rows = self.counts.setdefault(kind, [])
+        for row in rows:
+            row[0] *= self.decay
+            row[1] *= self.decay
+        while len(rows) < depth:
+            rows.append([0.0, 0.0])
+        for j in range(min(depth, accepted + 1)):
+            rows[j][0] += 1.0
+            if j < accepted:
+                rows[j][1] += 1.0
+
+    def rates(self, kind: Hashable, depth: int) -> list[float]:
+        """For positions ``0..depth-1``, the chance that the position is accepted once the
+        one before it was. A position leans on the engine-wide rate where that has seen
+        it; else on this estimate's rate at the position before (a position never verified
+        is guessed like the last one that was, so a request drafting short learns whether
+        longer drafts would pay); position 0 without any evidence on the initial guess."""
+        rows = self.counts.get(kind, ())
+        prior_rates = self.prior.rates(kind, depth) if self.prior is not None else None
+        out: list[float] = []
+        for j in range(depth):
+            if prior_rates is not None and (j == 0 or self.prior.has_seen(kind, j)):
+                prior = prior_rates[j]
+            else:
+                prior = out[j - 1] if j > 0 else self.initial_rate
+            if j < len(rows):
+                reached, accepted = rows[j]
+                out.append((accepted + self.prior_weight * prior) / (reached + self.prior_weight))
+            else:
+                out.append(prior)
+        return out
+
+    def rate(self, kind: Hashable, position: int) -> float:
+        return self.rates(kind, position + 1)[position]
+
+    def has_seen(self, kind: Hashable, position: int) -> bool:
+        rows = self.counts.get(kind, ())
+        return position < len(rows) and rows[position][0] >= 1.0
+
+    def curve(self, kind: Hashable, depth: int) -> list[float]:
+        """``P(at least j positions accepted)`` for ``j = 1..depth``."""
+        out, p = [], 1.0
+        for rate in self.rates(kind, depth):
+            p *= rate
+            out.append(p)
+        return out
+
+    def kinds(self) -> set:
+        mine = set(self.counts)
+        return mine | self.prior.kinds() if self.prior is not None else mine
+
+
+def attention_work(sequences: list[tuple[int, int]], padded: bool) -> float:
+    """Attention of a step in thousands of query-key pairs, for ``(cached, new)`` tokens of
+    each sequence: the torch reference pads the sequences of each width group to the
+    widest and longest of the group (``padded``, :attr:`AttentionLayout.padded`); the paged
+    kernel attends each query over its own sequence's keys."""
+    if not padded:
+        return sum(n * (c + n) for c, n in sequences) / 1000
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for c, n in sequences:
+        groups.setdefault(width_group(n), []).append((c, n))
+    return sum(len(g) * max(n for _, n in g) * max(c + n for c, n in g) for g in groups.values()) / 1000
+
+
+class StepShape:
+    """A step before drafts (its sequences as ``(cached, new)`` tokens), and the attention
+    work it would do with drafts: ``tokens`` in all, ``drafting`` of the one-token
+    sequences given drafts, the widest of them verifying ``widest`` tokens (each draft
+    token is one more query and one more key of its sequence). Padded, the drafting
+    sequences are counted as one group of their own, the others as they were."""
+
+    def __init__(self, sequences: list[tuple[int, int]], padded: bool):
+        self.sequences = sequences
+        self.padded = padded
+        self.tokens = sum(n for _, n in sequences)
+        self.work = attention_work(sequences, padded) if sequences else 0.0
+        singles = [c + 1 for c, n in sequences if n == 1]
+        self.wide_work = attention_work([(c, n) for c, n in sequences if n > 1], padded) if padded else 0.0
+        self.num_singles = len(singles)
+        self.single_keys = max(singles, default=0)
+        self.decode_context = sum(singles) / len(singles) if singles else 0.0
+
+    def work_at(self, tokens: int, widest: int = 1, drafting: int = 0) -> float:
+        if not self.padded:
+            return self.work + (tokens - self.tokens) * (self.decode_context + 1) / 1000
+        if not drafting:
+            return self.work
+        singles = (self.num_singles - drafting) * self.single_keys / 1000
+        return self.wide_work + singles + drafting * widest * (self.single_keys + widest - 1) / 1000
+
+
+@attrs.define
+class DraftOption:
+    """What drafting ``j`` levels deep would bring one request: ``gains[j - 1]`` expected
+    extra tokens from level ``j`` (``P(at least j accepted)``), ``nodes[j]`` the tokens
+    the step verifies for it at depth ``j`` (``nodes[0]``: 0)."""
+
+    gains: list[float]
+    nodes: list[int]
+
+
+def best_depths(options: list[DraftOption], base_tokens: int, step_seconds: Callable[[int, int, int], float],
+                draft_seconds: Callable[[int], float] = lambda depth: 0.0) -> list[int]:
+    """The depth of each option that maximises expected tokens per second of the step.
+
+    ``base_tokens``: the step's target tokens without any draft (every request's root,
+    prompt chunks); each request emits one token without drafts.
+    ``step_seconds(tokens, widest, drafting)``: the step's time with ``tokens`` target
+    tokens, ``drafting`` requests verifying drafts, the widest ``widest`` tokens.
+    ``draft_seconds(d)``: drafting time when the deepest request drafts ``d`` levels.
+    """
+    depths = [0] * len(options)
+    tokens, expected, deepest, widest, drafting = base_tokens, float(len(options)), 0, 1, 0
+    best_rate, best = expected / step_seconds(tokens, widest, drafting), list(depths)
+    heap = []
+
+    def push(i: int) -> None:
+        j = depths[i] + 1
+        opt = options[i]
+        if j < len(opt.nodes) and j <= len(opt.gains):
+            heapq.heappush(heap, (-opt.gains[j - 1] / max(opt.nodes[j] - opt.nodes[j - 1], 1), i, j))
+
+    for i in range(len(options)):
+        push(i)
+    while heap:
+        _, i, j = heapq.heappop(heap)
+        opt = options[i]
+        tokens += opt.nodes[j] - opt.nodes[j - 1]
+        expected += opt.gains[j - 1]
+        drafting += j == 1
+        depths[i] = j
+        deepest = max(deepest, j)
+        widest = max(widest, 1 + opt.nodes[j])
+        rate = expected / (step_seconds(tokens, widest, drafting) + draft_seconds(deepest))
+        if rate > best_rate * 1.001:  # a draft must pay, not tie
+            best_rate, best = rate, list(depths)
+        push(i)
+    return best
+
+
+class DraftPlanner:
+    """The engine's adaptive draft lengths (see the module docstring).
+
+    ``stats`` is the engine-wide acceptance, the prior of every request's own
+    (:attr:`Request.draft_stats`); ``costs`` the measured step and drafting costs;
+    ``aux_tokens`` the mean number of aux tokens a proposal brings (lookahead's window),
+    which drafting costs in the target forward whatever depth is verified.
+    """
+
+    def __init__(self, nodes_for_depth: Callable[[int], int], probe_interval: int):
+        self.nodes_for_depth = nodes_for_depth
+        self.probe_interval = probe_interval
+        self.costs = StepCostModel()
+        self.stats = AcceptanceStats(decay=0.99, prior_weight=2.0)
+        self.aux_tokens = 0.0
+        self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
+
+    def request_stats(self, req) -> AcceptanceStats:
+        if req.draft_stats is None:
+            req.draft_stats = AcceptanceStats(prior=self.stats)
+        return req.draft_stats
+
+    def _probe_due(self, req) -> bool:
+        return req.steps_without_drafts >= (req.probe_after or self.probe_interval)
+
+    def _probed(self, req) -> None:
+        """A probe was forced: the next one waits twice as long (up to 8x), so a request
+        whose drafts keep not paying costs ever less; drafts that pay reset the wait."""
+        req.probe_after = min(2 * (req.probe_after or self.probe_interval), 8 * self.probe_interval)
+        req.steps_without_drafts = 0
+
+    def step_seconds(self, shape: StepShape) -> Callable[[int, int, int], float]:
+        """The step's estimated seconds by its target tokens, widest sequence and number of
+        requests verifying drafts."""
+        return lambda tokens, widest, drafting: self.costs.step_seconds(
+            tokens, shape.work_at(tokens, widest, drafting))
+
+    def plan(self, reqs: list, caps: list[tuple[int, int]], shape: StepShape) -> list[int]:
+        """The depth to ask each request's drafter for, within ``caps`` (depth, nodes): the
+        best for each request's most promising kind of draft, should the drafter propose
+        one, with what asking costs (drafting time, aux tokens) divided by the chance that
+        it does. A request due for a probe is asked for one level."""
+        options, hits = [], []
+        self._probing = set()
+        for req, (depth, nodes) in zip(reqs, caps):
+            stats = self.request_stats(req)
+            hit = max(stats.draft_rate(), 0.05)
+            hits.append(hit)
+            gains = max((stats.curve(kind, depth) for kind in stats.kinds() or {None}), key=sum)
+            aux = round(self.aux_tokens / hit)
+            options.append(DraftOption(gains, [0] + [min(self.nodes_for_depth(j), nodes) + aux
+                                                     for j in range(1, depth + 1)]))
+        mean_hit = sum(hits) / len(hits) if hits else 1.0
+        depths = best_depths(options, shape.tokens, self.step_seconds(shape),
+                             lambda depth: self.costs.draft_seconds(depth) / mean_hit)
+        for i, req in enumerate(reqs):
+            if depths[i] == 0 and caps[i][0] > 0:
+                if self._probe_due(req):
+                    depths[i] = 1
+                    self._probed(req)
+                    self._probing.add(id(req))
+                else:
+                    req.metrics.num_steps_speculation_off += 1
+        return depths
+
+    def trim(self, reqs: list, proposals: list, shape: StepShape) -> list[int]:
+        """The depth of each proposal worth verifying (0: none of it), from the acceptance
+        of its own kind; a request due for a probe keeps at least one level."""
+        options = []
+        base_tokens = shape.tokens
+        for prop in proposals:
+            if prop is not None:
+                self.aux_tokens += 0.2 * (len(prop.aux_token_ids) - self.aux_tokens)
+        for req, prop in zip(reqs, proposals):
+            if prop is None or prop.depth == 0:
+                options.append(DraftOption([], [0]))
+                base_tokens += len(prop.aux_token_ids) if prop is not None else 0
+                continue
+            node_depths = prop.depths()
+            nodes = [0] + [sum(d <= j for d in node_depths) + len(prop.aux_token_ids)
+                           for j in range(1, prop.depth + 1)]
+            options.append(DraftOption(self.request_stats(req).curve(prop.kind, prop.depth), nodes))
+        depths = best_depths(options, base_tokens, self.step_seconds(shape))
+        probing, self._probing = self._probing, set()
+        for i, (req, prop) in enumerate(zip(reqs, proposals)):
+            if prop is None or prop.depth == 0:
+                continue
+            if depths[i] > 0:
+                req.probe_after = 0
+            elif id(req) in probing:
+                depths[i] = 1
+            elif self._probe_due(req):
+                depths[i] = 1
+                self._probed(req)
+            else:
+                req.metrics.num_steps_speculation_off += 1
+        return depths
+
+    def observe_asks(self, reqs: list, proposals: list) -> None:
+        """Whether each request asked for a draft got one. A proposal of aux tokens only
+        (lookahead filling its n-gram pool) is neither: the drafter is warming up."""
+        for req, prop in zip(reqs, proposals):
+            if prop is not None and prop.depth == 0:
+                continue
+            self.request_stats(req).observe_ask(prop is not None)
+            self.stats.observe_ask(prop is not None)
+
+    def observe(self, req, kind: Hashable, depth: int, accepted: int) -> None:
+        """What the target accepted of a verified draft of ``depth`` levels."""
+        self.request_stats(req).observe(kind, depth, accepted)
+        self.stats.observe(kind, depth, accepted)

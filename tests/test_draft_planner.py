@@ -1,0 +1,278 @@
+"""The adaptive draft planner: the step-cost model, acceptance estimates, the choice of
+depths against synthetic cost curves, and the engine switching speculation off and back
+on without changing greedy output."""
+
+import itertools
+import random
+
+import pytest
+
+from specdec import LLM, SamplingParams, hookimpl, testing
+from specdec.drafting import DraftProposal
+from specdec.executor.draft_planner import AcceptanceStats, DraftOption, StepCostModel, best_depths
+
+
+def chain(rate: float, depth: int) -> DraftOption:
+    """A chain whose every position is accepted with ``rate`` once its parent was."""
+    return DraftOption(gains=[rate ** j for j in range(1, depth + 1)], nodes=list(range(depth + 1)))
+
+
+def brute_force(options, base_tokens, step_seconds, draft_seconds=lambda d: 0.0):
+    best, best_rate = None, -1.0
+    for depths in itertools.product(*(range(len(o.nodes)) for o in options)):
+        tokens = base_tokens + sum(o.nodes[d] for o, d in zip(options, depths))
+        expected = len(options) + sum(sum(o.gains[:d]) for o, d in zip(options, depths))
+        deepest = max(depths)
+        rate = expected / (step_seconds(tokens) + (draft_seconds(deepest) if deepest else 0.0))
+        if rate > best_rate * 1.001:
+            best, best_rate = list(depths), rate
+    return best_rate, best
+
+
+def rate_of(options, depths, base_tokens, step_seconds):
+    tokens = base_tokens + sum(o.nodes[d] for o, d in zip(options, depths))
+    return (len(options) + sum(sum(o.gains[:d]) for o, d in zip(options, depths))) / step_seconds(tokens)
+
+
+def test_flat_cost_drafts_everything_useful_and_steep_cost_nothing():
+    flat = lambda n, *_: 0.010 if n <= 64 else 0.010 * n / 64  # a GPU: verification free up to 64 tokens
+    assert best_depths([chain(0.6, 8)], 1, flat) == [8]
+    assert best_depths([chain(0.3, 8)], 1, flat) == [5]  # 0.3 ** 6 adds under 0.1%: not worth a token
+    steep = lambda n, *_: 1.0 + 0.5 * n  # each token costs half a step
+    assert best_depths([chain(0.3, 8)], 1, steep) == [0]
+    assert best_depths([chain(0.95, 8)], 1, steep)[0] >= 6
+
+
+def test_draft_cost_can_make_drafting_unprofitable():
+    cpu = lambda n, *_: 0.035 + 0.0008 * n  # the shape DESIGN.md measured for the embedded model
+    assert best_depths([chain(0.5, 4)], 1, cpu) == [4]
+    assert best_depths([chain(0.5, 4)], 1, cpu, lambda depth: 0.040 * depth) == [0]
+
+
+def test_batch_choice_gives_drafts_to_the_requests_that_earn_them():
+    cpu = lambda n, *_: 0.030 + 0.003 * n
+    options = [chain(0.9, 6), chain(0.05, 6), chain(0.6, 6), chain(0.0, 6)]
+    depths = best_depths(options, 4, cpu)
+    assert depths[1] == 0 and depths[3] == 0
+    assert depths[0] >= depths[2] > 0
+    assert rate_of(options, depths, 4, cpu) == pytest.approx(brute_force(options, 4, cpu)[0], rel=1e-3)
+
+
+def test_choice_matches_brute_force_on_random_batches():
+    rng = random.Random(0)
+    for _ in range(60):
+        a, b = rng.uniform(0.01, 0.05), rng.uniform(0.0, 0.01)
+        cost = lambda n, *_, a=a, b=b: a + b * n
+        options = [chain(rng.random(), rng.randint(0, 4)) for _ in range(rng.randint(1, 4))]
+        base = len(options) + rng.randint(0, 10)
+        depths = best_depths(options, base, cost)
+        assert rate_of(options, depths, base, cost) == pytest.approx(brute_force(options, base, cost)[0], rel=2e-3)
+
+
+def test_tree_nodes_count_against_the_step():
+    cost = lambda n, *_: 1.0 + 0.2 * n
+    tree = DraftOption(gains=[0.9, 0.8, 0.7], nodes=[0, 2, 6, 14])  # wider at every level
+    narrow = DraftOption(gains=[0.9, 0.8, 0.7], nodes=[0, 1, 2, 3])
+    assert best_depths([narrow], 1, cost) == [3]
+    assert best_depths([tree], 1, cost) == [1]  # deeper levels cost more than they bring
+
+
+def test_cost_model_recovers_a_step_cost_from_tokens_and_attention():
+    costs = StepCostModel()
+    assert costs.step_seconds(4) < costs.step_seconds(8)  # before any step: near free, increasing
+    truth = lambda tokens, work: 0.030 + 0.0004 * tokens + 0.0002 * work
+    rng = random.Random(1)
+    for _ in range(200):
+        tokens = rng.randint(1, 120)
+        work = tokens * rng.randint(100, 3000) / 1000
+        costs.observe_step(tokens, work, truth(tokens, work) * rng.uniform(0.97, 1.03))
+    a, b, c = costs.coefficients()
+    assert a == pytest.approx(0.030, rel=0.1) and b == pytest.approx(0.0004, rel=0.3)
+    assert c == pytest.approx(0.0002, rel=0.1)
+
+
+def test_cost_model_never_fits_a_negative_cost_per_token():
+    costs = StepCostModel()
+    for tokens in (1, 2, 3, 4, 5, 6):  # noise: more tokens measured faster
+        costs.observe_step(tokens, 0.0, 0.050 - 0.001 * tokens)
+    a, b, c = costs.coefficients()
+    assert b == 0.0 and c == 0.0 and a == pytest.approx(0.0465, rel=0.05)
+    costs.observe_draft(4, 0.008)
+    assert costs.draft_seconds(2) == pytest.approx(0.004)
+
+
+def test_attention_work_of_drafts_padded_in_their_own_group():
+    from specdec.executor.draft_planner import StepShape, attention_work
+
+    batch = StepShape([(300, 1)] * 8, padded=True)
+    assert batch.work == pytest.approx(8 * 1 * 301 / 1000)
+    # one request verifying 13 tokens: its own padded group of 13 queries over 313 keys
+    assert batch.work_at(20, 13, 1) == pytest.approx((7 * 301 + 13 * 313) / 1000)
+    assert batch.work_at(20, 13, 1) == pytest.approx(attention_work([(300, 1)] * 7 + [(300, 13)], True))
+    paged = StepShape([(300, 1)] * 8, padded=False)
+    assert paged.work_at(20, 13, 1) - paged.work == pytest.approx(12 * 302 / 1000)  # only its own queries
+    with_prompt = StepShape([(0, 200), (300, 1)], padded=True)
+    assert with_prompt.work == pytest.approx((200 * 200 + 301) / 1000)
+    assert with_prompt.work_at(203, 3, 1) == pytest.approx((200 * 200 + 3 * 303) / 1000)
+
+
+def test_acceptance_stats_follow_the_request_and_lean_on_the_prior():
+    engine_wide = AcceptanceStats(decay=0.99, prior_weight=2.0)
+    mine = AcceptanceStats(prior=engine_wide)
+    assert mine.curve("x", 2) == pytest.approx([0.5, 0.25])  # nothing seen: the initial guess
+    for _ in range(30):
+        engine_wide.observe(3, depth=4, accepted=4)
+        mine.observe(1, depth=4, accepted=0)
+    assert 0.1 < mine.rate(1, 0) < 0.15  # its own one-token matches fail; the prior keeps it hopeful
+    assert mine.rate(3, 0) > 0.9  # a kind it has not drafted: the engine-wide estimate
+    for _ in range(30):
+        engine_wide.observe(1, depth=4, accepted=0)
+    assert mine.rate(1, 0) < 0.05  # the engine saw them fail too
+    for _ in range(30):
+        mine.observe(1, depth=4, accepted=2)
+        engine_wide.observe(1, depth=4, accepted=2)
+    assert mine.rate(1, 0) > 0.8 and mine.rate(1, 2) < 0.1  # followed the change (decay)
+    assert mine.rate(1, 3) == pytest.approx(mine.rate(1, 2))  # never reached anywhere: like the one before
+    assert mine.curve(3, 6)[-1] > 0.8  # the engine's kind-3 drafts, deeper than ever verified
+
+
+class PhasedDrafter:
+    """Drafts the reference continuation, except while the output length is inside
+    ``bad``, where every draft token is wrong; records what it was asked and what the
+    target accepted."""
+
+    def __init__(self, reference: list[int], prompt_len: int, bad: range, vocab_size: int):
+        self.reference, self.prompt_len, self.bad, self.vocab = reference, prompt_len, bad, vocab_size
+        self.asked: list[int] = []  # output length at each drafting call
+        self.accepted: list[tuple[int, int]] = []  # (output length before the step, tokens accepted)
+
+    @hookimpl
+    def prepare_draft_tokens(self, requests, draft_lens):
+        out = []
+        for req, k in zip(requests, draft_lens):
+            done = req.num_output_tokens
+            self.asked.append(done)
+            draft = self.reference[done:done + k]
+            if done in self.bad:
+                draft = [(t + 1) % self.vocab for t in draft]
+            out.append(DraftProposal(token_ids=draft) if draft else None)
+        return out
+
+    @hookimpl
+    def on_draft_verified(self, results):
+        for res in results:
+            if res.proposal is not None:
+                before = res.request.num_output_tokens - len(res.new_token_ids)
+                self.accepted.append((before, len(res.accepted_nodes)))
+
+
+class SyntheticCosts(StepCostModel):
+    """Each verified token costs a quarter of a one-token step; drafting is free."""
+
+    def observe_step(self, num_tokens, work, seconds):
+        pass
+
+    def step_seconds(self, num_tokens, work=0.0):
+        return 1.0 + 0.25 * num_tokens
+
+
+def test_speculation_switches_off_while_drafts_fail_and_back_on(tmp_path):
+    model = testing.tiny_model_dir(tmp_path)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    prompt = [3, 17, 9, 44, 5, 61, 12]
+    reference = LLM(model=str(model), dtype="float32").generate([prompt], params)[0].token_ids
+    drafter = PhasedDrafter(reference, len(prompt), bad=range(20, 70), vocab_size=128)
+    llm = LLM(model=str(model), dtype="float32", speculative_config={
+        "decoding_type": "user", "drafter": drafter, "max_draft_len": 4, "probe_interval": 6})
+    llm.engine.planner.costs = SyntheticCosts()
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == reference
+    assert out.metrics.num_steps_speculation_off > 10
+    bad_calls = [n for n in drafter.asked if 40 <= n < 70]
+    assert 0 < len(bad_calls) <= len(range(40, 70)) // 6 + 1  # only probes once the estimate fell
+    assert sum(a for n, a in drafter.accepted if n >= 75) > 10  # a probe found drafts paying again
+    assert sum(a for n, a in drafter.accepted if n < 20) > 10
+
+
+def test_adaptive_off_drafts_the_full_length(tmp_path):
+    model = testing.tiny_model_dir(tmp_path)
+    prompt = [3, 17, 9, 44, 5, 61, 12]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    reference = LLM(model=str(model), dtype="float32").generate([prompt], params)[0].token_ids
+    drafter = PhasedDrafter(reference, len(prompt), bad=range(0, 40), vocab_size=128)
+    llm = LLM(model=str(model), dtype="float32", speculative_config={
+        "decoding_type": "user", "drafter": drafter, "max_draft_len": 4, "adaptive": False})
+    out = llm.generate([prompt], params)[0]
+    assert llm.engine.planner is None
+    assert out.token_ids == reference and out.metrics.num_steps_speculation_off == 0
+    assert out.metrics.draft_len_counts[4] >= out.metrics.num_steps - 4  # all but the steps near max_tokens
+
+
+def test_manual_rules_replace_the_planner():
+    from specdec.config import config_from_dict
+
+    spec = config_from_dict({"speculative_config": {"decoding_type": "ngram",
+                                                    "draft_len_schedule": {1: 4, 8: 0}}}).speculative_config
+    assert not spec.is_adaptive
+    spec = config_from_dict({"speculative_config": {"decoding_type": "ngram"}}).speculative_config
+    assert spec.is_adaptive
+
+
+def planner_with(costs):
+    from specdec.executor.draft_planner import DraftPlanner
+
+    planner = DraftPlanner(nodes_for_depth=lambda depth: depth, probe_interval=4)
+    planner.costs = costs
+    return planner
+
+
+def request(name: str):
+    from specdec.executor.request import Request
+
+    return Request(request_id=name, token_ids=[1, 2, 3], prompt_len=3, sampling_params=SamplingParams())
+
+
+def test_probes_back_off_while_they_fail_and_reset_when_drafts_pay():
+    from specdec.executor.draft_planner import StepShape
+
+    planner, req = planner_with(SyntheticCosts()), request("a")
+    shape = StepShape([(10, 1)], padded=True)
+    for _ in range(20):
+        planner.observe(req, None, depth=4, accepted=0)
+    waits, since = [], 0
+    for _ in range(130):  # steps: plan, and the engine's bookkeeping of a step without drafts
+        (depth,) = planner.plan([req], [(4, 4)], shape)
+        if depth:
+            waits.append(since)
+            since = 0
+            (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * depth)], shape)
+            assert kept == 1  # a probe is verified even though the estimate says no
+            planner.observe(req, None, depth=1, accepted=0)
+            req.steps_without_drafts = 0
+        else:
+            since += 1
+            req.steps_without_drafts += 1
+    assert waits[:5] == [4, 8, 16, 32, 32]  # doubling, up to 8x probe_interval
+    for _ in range(10):
+        planner.observe(req, None, depth=4, accepted=4)
+    (depth,) = planner.plan([req], [(4, 4)], shape)
+    assert depth == 4
+    (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * 4)], shape)
+    assert kept == 4 and req.probe_after == 0  # drafts pay again: probes back to the default
+
+
+def test_a_drafter_that_rarely_has_a_draft_is_asked_only_where_asking_is_cheap():
+    from specdec.executor.draft_planner import StepShape
+
+    class DearDrafting(SyntheticCosts):
+        def draft_seconds(self, depth):
+            return 0.3 * depth  # each drafted level costs 30% of a step
+
+    shape = StepShape([(10, 1)], padded=True)
+    for costs, expected in ((SyntheticCosts(), 4), (DearDrafting(), 0)):
+        planner, req = planner_with(costs), request("b")
+        for _ in range(30):
+            planner.observe(req, None, depth=4, accepted=4)  # its drafts are always right...
+            planner.observe_asks([req], [None])  # ...but it rarely has one
+        assert req.draft_stats.draft_rate() < 0.2
+        assert planner.plan([req], [(4, 4)], shape) == [expected]
