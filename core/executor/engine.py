@@ -182,8 +182,9 @@ class Engine:
         if plan.empty:
             return []
         items = [self._prefill_item(req, n) for req, n in plan.prefills]
-        before_drafts = StepShape([(it.start, len(it.tokens)) for it in items]
-                                  + [(r.num_computed, 1) for r in plan.decodes], padded=self._padded_attention)
+        before_drafts = None if self.planner is None else StepShape(
+            [(it.start, len(it.tokens)) for it in items] + [(r.num_computed, 1) for r in plan.decodes],
+            padded=self._padded_attention)
         decodes, draft_seconds = self._decode_items(plan.decodes, plan.draft_allowance,
                                                     len(self.scheduler.running), before_drafts)
         items += decodes
@@ -204,9 +205,9 @@ class Engine:
                      num_logits=1 if done and req.num_output_tokens == 0 else 0, is_prefill=True)
 
     def _decode_items(self, reqs: list[Request], allowances: list[int], batch_size: int,
-                      before_drafts: StepShape) -> tuple[list[_Item], float]:
+                      before_drafts: StepShape | None) -> tuple[list[_Item], float]:
         """The decode items of the step, with their drafts, and the seconds spent drafting
-        (``before_drafts``: the step's sequences, for the adaptive planner)."""
+        (``before_drafts``: the step's sequences, for the adaptive planner if there is one)."""
         shapes = [self._draft_shape(r, batch_size, a) for r, a in zip(reqs, allowances)]
         if self.planner is not None and self.hooks is not None:
             depths = self.planner.plan(reqs, shapes, before_drafts)
