@@ -228,7 +228,6 @@ class StepShape:
     sequences are counted as one group of their own, the others as they were."""
 
     def __init__(self, sequences: list[tuple[int, int]], padded: bool):
-        self.sequences = sequences
         self.padded = padded
         self.tokens = sum(n for _, n in sequences)
         self.work = attention_work(sequences, padded) if sequences else 0.0
