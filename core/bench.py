@@ -15,6 +15,7 @@ from pathlib import Path
 
 import attrs
 import torch
+import yaml
 
 from .api import LLM
 from .config import SpecdecConfig, config_from_dict, load_config, unstructure
@@ -59,12 +60,15 @@ class CategoryResult:
 
 
 def method_config(base: SpecdecConfig, method: str) -> tuple[str, SpecdecConfig]:
-    """``plain``, a decoding_type name, or a YAML file whose speculative_config is used."""
+    """``plain``, a decoding_type name, or a YAML file whose speculative_config is used,
+    and the engine options it sets (over the run's: ``engine: {batch_invariant: true}``)."""
     if method == "plain":
         return "plain", attrs.evolve(base, speculative_config=None)
     if method.endswith((".yaml", ".yml")):
-        spec = load_config(method).speculative_config
-        return Path(method).stem, attrs.evolve(base, speculative_config=spec)
+        own = load_config(method)
+        engine = yaml.safe_load(Path(method).read_text()).get("engine") or {}
+        engine = attrs.evolve(base.engine, **{key: getattr(own.engine, key) for key in engine})
+        return Path(method).stem, attrs.evolve(base, speculative_config=own.speculative_config, engine=engine)
     data = unstructure(base)
     data["speculative_config"] = {"decoding_type": method}
     return method, config_from_dict(data)

@@ -154,6 +154,11 @@ class EngineConfig:
         max_model_len: context length limit; defaults to the model's own.
         enable_prefix_caching: share KV blocks of identical prompt prefixes across requests.
         num_threads: torch CPU threads (None leaves torch's default).
+        batch_invariant: compute every token so that its result depends on its own sequence
+            only, not on the drafts or requests sharing the forward: greedy output is then
+            bit-identical between plain and speculative decoding, alone and batched, in
+            bfloat16 too (:mod:`specdec.kernels.invariant`). Off by default: it costs 8-15%
+            of plain decoding's throughput on CPU and more for speculative steps (BENCHMARKS.md).
     """
 
     max_batch_size: int = attrs.field(default=8, validator=in_range(1, 4096))
@@ -165,6 +170,7 @@ class EngineConfig:
     max_model_len: int | None = attrs.field(default=None, validator=in_range(1, None))
     enable_prefix_caching: bool = True
     num_threads: int | None = attrs.field(default=None, validator=in_range(1, None))
+    batch_invariant: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -15,7 +15,14 @@ Every check raises AssertionError with a message saying what is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -234,3 +241,43 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     p_value = chi_square_p_value(counts, exact, n)
     assert p_value > min_p_value, f"sampled output departs from the target distribution (p-value {p_value:.2e})"
     return p_value, accepted
+
+
+@contextlib.contextmanager
+def running_server(config: str, directory: str | Path) -> Iterator[str]:
+    """`specdec serve` with ``config`` (YAML text, written into ``directory``) on a free
+    loopback port, in a subprocess: yields its base URL, stops it on exit."""
+    import httpx
+
+    cfg = Path(directory) / "cfg.yaml"
+    cfg.write_text(config)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-c", str(cfg), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {proc.stdout.read()}")
+            if time.time() > deadline:
+                raise RuntimeError("the server did not start within 180 s")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def stream_chat(client, prompt: str, **options) -> str:
+    """The text of one streamed chat completion of ``prompt`` through an ``openai.OpenAI`` client."""
+    chunks = client.chat.completions.create(model="any", messages=[{"role": "user", "content": prompt}], stream=True,
+                                            **options)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from .drafting import DraftProposal, TreeMask
+from .errors import FieldError
 from .hookspecs import hookimpl
 
 
@@ -99,6 +100,19 @@ class StaticTree:
         index = {p: i for i, p in enumerate(paths)}
         return cls(paths=paths, parents=tuple(index[p[:-1]] if len(p) > 1 else -1 for p in paths))
 
+    @classmethod
+    def from_config(cls, choices, max_draft_len: int, field: str) -> StaticTree:
+        """A choice list given as config option ``field``: a FieldError when it is not a
+        tree or is deeper than ``max_draft_len``."""
+        try:
+            tree = cls.from_choices(choices)
+        except ValueError as exc:
+            raise FieldError(field, f"not a tree: {exc}") from None
+        if tree.depth > max_draft_len:
+            raise FieldError(field, f"the tree is {tree.depth} deep, more than max_draft_len {max_draft_len}; "
+                                    "raise max_draft_len")
+        return tree
+
     @property
     def depth(self) -> int:
         return max(len(p) for p in self.paths)
@@ -111,6 +125,13 @@ class StaticTree:
     def max_rank(self) -> int:
         """The largest rank used: candidates needed per node (``top_k - 1``)."""
         return max(max(p) for p in self.paths)
+
+    def trimmed(self, depth: int, nodes: int) -> StaticTree:
+        """The first ``nodes`` nodes no deeper than ``depth`` (nodes come by depth, parents
+        first, so the result is a tree): what a step whose planner or budget asks for less
+        than the whole tree verifies."""
+        keep = [p for p in self.paths if len(p) <= depth][:nodes]
+        return self if len(keep) == len(self.paths) else StaticTree.from_choices([list(p) for p in keep])
 
     def level(self, depth: int) -> list[int]:
         """Indices of the nodes at ``depth`` (1-based)."""

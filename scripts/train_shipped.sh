@@ -32,3 +32,13 @@ for gen in eagle eagle3; do
     mkdir -p "$dest"
     cp .train/$gen/{config.json,model.safetensors} "$dest/"
 done
+# 5. medusa: three heads sharing the target's LM head, on the same answers and the
+#    final-norm features of eagle3's store.
+mkdir -p .train/medusa
+cp -n .train/draft_target/samples.jsonl .train/medusa/ || true
+ln -sfn ../eagle3/features .train/medusa/features
+$SPECDEC train medusa --data training/prompts.jsonl --out .train/medusa --epochs "${MEDUSA_EPOCHS:-3}" \
+    --batch-size 8 --lr 1e-3 ${RESUME:+--resume}
+dest=plugins/spec_medusa/specdec_medusa/weights/smollm2-135m-instruct-medusa
+mkdir -p "$dest"
+cp .train/medusa/{config.json,medusa_lm_head.safetensors,draft_vocab.safetensors} "$dest/"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from specdec import Drafter, DraftProposal, hookimpl
+from specdec.kernels import AttentionLayout, SequenceSlice
+from specdec.tree import ancestor_mask
 from specdec.testing import first_divergence, near_tie_at  # noqa: F401 - re-exported for the tests
 
 
@@ -49,3 +51,23 @@ class OracleDrafter(Drafter):
                 parent = len(tokens) - 1
             out.append(DraftProposal(token_ids=tokens, parents=parents))
         return out
+
+
+def random_layout(gen, block_size: int, num_blocks: int, shapes: list, device: str = "cpu") -> AttentionLayout:
+    """shapes: (committed tokens, new tokens, tree?) per sequence."""
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs = []
+    for start, n, tree in shapes:
+        need = -(-(start + n) // block_size)
+        table = [free.pop() for _ in range(need)]
+        if tree:
+            parents = [-1] + [int(torch.randint(-1, i, (), generator=gen)) for i in range(n - 2)]
+            mask = ancestor_mask(parents)
+            depths = [0] + [1 if p < 0 else 0 for p in parents]
+            for i, p in enumerate(parents):
+                depths[i + 1] = 1 if p < 0 else depths[p + 1] + 1
+            positions = start + torch.tensor(depths)
+        else:
+            mask, positions = None, torch.arange(start, start + n)
+        seqs.append(SequenceSlice(block_table=table, start=start, positions=positions, tree_mask=mask))
+    return AttentionLayout(seqs, block_size, torch.device(device))

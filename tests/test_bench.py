@@ -63,6 +63,20 @@ def test_concurrent_requests_are_distinct():
     assert concurrent_requests(convs * 4, 2) == convs * 4
 
 
+def test_a_method_file_sets_engine_options_over_the_runs_own(tmp_path):
+    from specdec.bench import method_config
+    from specdec.config import config_from_dict
+
+    base = config_from_dict({"engine": {"max_batch_size": 4, "batch_invariant": False}})
+    path = tmp_path / "ngram_invariant.yaml"
+    path.write_text("speculative_config: {decoding_type: ngram}\nengine: {batch_invariant: true}\n")
+    label, cfg = method_config(base, str(path))
+    assert label == "ngram_invariant" and cfg.speculative_config.decoding_type == "ngram"
+    assert cfg.engine.batch_invariant is True and cfg.engine.max_batch_size == 4  # the run's, not the default 8
+    path.write_text("speculative_config: {decoding_type: ngram}\n")
+    assert method_config(base, str(path))[1].engine == base.engine
+
+
 def test_each_repetition_starts_from_fresh_drafters_warmed_up_outside_the_sets(monkeypatch):
     """Issue 10: with ngram's public pool, a second repetition used to copy the first one's
     answers, and the warm-up ran the measured chat prompt."""

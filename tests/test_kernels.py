@@ -3,35 +3,16 @@
 import pytest
 import torch
 
-from specdec.kernels import AttentionLayout, SequenceSlice, chain_rejection_torch, greedy_tree_verify_torch
+from specdec.kernels import chain_rejection_torch, greedy_tree_verify_torch
 from specdec.kernels.attention import paged_attention_torch
 from specdec.kernels.kv_copy import copy_kv_slots_torch
 from specdec.sampler import verify_greedy
 from specdec import DraftProposal
-from specdec.tree import ancestor_mask
+
+from helpers import random_layout
 
 triton_kernels = pytest.importorskip("specdec.kernels.triton_kernels")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def random_layout(gen, block_size, num_blocks, shapes):
-    """shapes: (committed tokens, new tokens, tree?) per sequence."""
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    seqs = []
-    for start, n, tree in shapes:
-        need = -(-(start + n) // block_size)
-        table = [free.pop() for _ in range(need)]
-        if tree:
-            parents = [-1] + [int(torch.randint(-1, i, (), generator=gen)) for i in range(n - 2)]
-            mask = ancestor_mask(parents)
-            depths = [0] + [1 if p < 0 else 0 for p in parents]
-            for i, p in enumerate(parents):
-                depths[i + 1] = 1 if p < 0 else depths[p + 1] + 1
-            positions = start + torch.tensor(depths)
-        else:
-            mask, positions = None, torch.arange(start, start + n)
-        seqs.append(SequenceSlice(block_table=table, start=start, positions=positions, tree_mask=mask))
-    return AttentionLayout(seqs, block_size, torch.device(DEVICE))
 
 
 CASES = [  # heads, kv_heads, dim, block size, sequences, window, softcap
@@ -48,7 +29,7 @@ CASES = [  # heads, kv_heads, dim, block size, sequences, window, softcap
 def test_paged_attention_matches_reference(case):
     heads, kv_heads, dim, bs, shapes, window, softcap = CASES[case]
     gen = torch.Generator().manual_seed(case)
-    layout = random_layout(gen, bs, 64, shapes)
+    layout = random_layout(gen, bs, 64, shapes, DEVICE)
     keys = torch.randn(64 * bs, kv_heads, dim, generator=gen).to(DEVICE)
     values = torch.randn(64 * bs, kv_heads, dim, generator=gen).to(DEVICE)
     query = torch.randn(heads, layout.num_tokens, dim, generator=gen).to(DEVICE)
@@ -80,7 +61,6 @@ def test_batched_reference_attends_each_sequence_over_its_own_keys(case):
     heads, kv_heads, dim, bs, shapes, _, _ = CASES[case]
     gen = torch.Generator().manual_seed(case)
     layout = random_layout(gen, bs, 64, shapes)
-    layout.device = torch.device("cpu")
     keys = torch.randn(64 * bs, kv_heads, dim, generator=gen)
     values = torch.randn(64 * bs, kv_heads, dim, generator=gen)
     query = torch.randn(heads, layout.num_tokens, dim, generator=gen)
@@ -91,7 +71,7 @@ def test_batched_reference_attends_each_sequence_over_its_own_keys(case):
 
 def test_paged_attention_bfloat16_cache():
     gen = torch.Generator().manual_seed(9)
-    layout = random_layout(gen, 8, 32, [(19, 4, True), (5, 1, False)])
+    layout = random_layout(gen, 8, 32, [(19, 4, True), (5, 1, False)], DEVICE)
     keys = torch.randn(256, 2, 32, generator=gen).to(DEVICE, torch.bfloat16)
     values = torch.randn(256, 2, 32, generator=gen).to(DEVICE, torch.bfloat16)
     query = torch.randn(6, layout.num_tokens, 32, generator=gen).to(DEVICE, torch.bfloat16)

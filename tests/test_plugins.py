@@ -58,8 +58,8 @@ def test_each_plugin_registers_through_its_entry_point(name):
 
 
 def test_not_implemented_method_fails_clearly():
-    with pytest.raises(PluginError, match="'medusa' .*specdec-plugin-medusa.* not implemented yet"):
-        get_registry().create_drafter(get_registry().types["medusa"].config_class(decoding_type="medusa"), None)
+    with pytest.raises(PluginError, match="'mtp' .*specdec-plugin-mtp.* not implemented yet"):
+        get_registry().create_drafter(get_registry().types["mtp"].config_class(decoding_type="mtp"), None)
 
 
 def test_missing_plugin_names_the_package_to_install(monkeypatch):

@@ -1,10 +1,6 @@
 """`specdec serve`: a real server on a loopback port, driven over HTTP."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,47 +8,17 @@ import httpx
 import pytest
 
 from specdec import SamplingParams
+from specdec.testing import running_server, stream_chat
 
 PROMPTS = [f"Here is a list of {i + 2} fruits:\n1." for i in range(16)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def running_server(directory, config: str):
-    """Start `specdec serve` on a free loopback port with ``config`` (YAML text); yield its URL."""
-    cfg = directory / "cfg.yaml"
-    cfg.write_text(config)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-c", str(cfg), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory.mktemp("srv"),
-                              "dtype: float32\nspeculative_config: {decoding_type: ngram, max_draft_len: 6}\n"
-                              "engine: {max_batch_size: 16}\nsampling: {temperature: 0, max_tokens: 24}\n")
+    with running_server("dtype: float32\nspeculative_config: {decoding_type: ngram, max_draft_len: 6}\n"
+                        "engine: {max_batch_size: 16}\nsampling: {temperature: 0, max_tokens: 24}\n",
+                        tmp_path_factory.mktemp("srv")) as base:
+        yield base
 
 
 def metrics(base) -> dict:
@@ -174,8 +140,7 @@ def test_the_official_openai_client_gets_the_same_answers(server, smol):
     assert done.choices[0].text == offline.text and done.usage.completion_tokens == len(offline.token_ids)
     messages = [{"role": "user", "content": "Name two colors."}]
     chat = client.chat.completions.create(model="any", messages=messages, max_tokens=16, temperature=0)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="any", messages=messages, max_tokens=16, temperature=0, stream=True) if c.choices)
+    streamed = stream_chat(client, messages[0]["content"], max_tokens=16, temperature=0)
     assert chat.choices[0].message.content == streamed == smol.chat(messages, SamplingParams(
         max_tokens=16, temperature=0.0))[0].text
     assert [m.id for m in client.models.list().data] == [smol.target.name]

@@ -8,9 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_server import metrics, running_server
+from test_server import metrics
 
 from specdec import SamplingParams
+from specdec.testing import running_server
 
 COLORS = ["red", "green", "blue", "amber", "violet", "silver", "black", "white"]
 THINGS = ["boat", "kite", "lamp", "chair", "tower", "garden", "river", "clock"]
@@ -19,10 +20,10 @@ PROMPTS = [f"Describe a {c} {t} in one sentence." for c in COLORS for t in THING
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
-    yield from running_server(tmp_path_factory.mktemp("soak"),
-                              "dtype: float32\nspeculative_config: {decoding_type: ngram, max_draft_len: 4}\n"
-                              "engine: {max_batch_size: 16, kv_cache_blocks: 24, block_size: 16}\n"
-                              "sampling: {temperature: 0, max_tokens: 24}\n")
+    with running_server("dtype: float32\nspeculative_config: {decoding_type: ngram, max_draft_len: 4}\n"
+                        "engine: {max_batch_size: 16, kv_cache_blocks: 24, block_size: 16}\n"
+                        "sampling: {temperature: 0, max_tokens: 24}\n", tmp_path_factory.mktemp("soak")) as base:
+        yield base
 
 
 def stream(base: str, i: int) -> str | None:

@@ -99,6 +99,7 @@ class Engine:
         self.planner = (DraftPlanner(spec.nodes_for_depth, spec.probe_interval)
                         if spec is not None and spec.is_adaptive else None)
         # the torch reference pads a batch's sequences to the widest; the paged kernel does not
+        target.set_batch_invariant(config.batch_invariant)
         self._padded_attention = not use_triton(torch.empty(0, device=target.device), "paged_attention_triton")
         self._warned: set[str] = set()
         #: drafter faults by kind (the requests' ``num_drafter_faults`` summed).
@@ -333,7 +334,8 @@ class Engine:
                                                 positions=it.positions, tree_mask=it.tree_mask) for it in items],
                                  self.kv.block_size, device)
         return self.target.forward(torch.tensor(tokens, device=device), layout.query_positions,
-                                   ForwardMetadata(cache=self.kv.cache, layout=layout),
+                                   ForwardMetadata(cache=self.kv.cache, layout=layout,
+                                                   batch_invariant=self.config.batch_invariant),
                                    torch.tensor(rows, device=device, dtype=torch.long))
 
     def _greedy_verdicts(self, items: list[_Item], logits: torch.Tensor) -> dict[int, Verdict]:

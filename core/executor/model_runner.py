@@ -15,7 +15,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..kernels import AttentionLayout, paged_attention
+from ..kernels import AttentionLayout, invariant_attention, make_linear_invariant, paged_attention, restore_linear
 from ..kvcache import PagedKVCache
 
 ATTENTION_NAME = "specdec_paged"
@@ -24,11 +24,13 @@ ATTENTION_NAME = "specdec_paged"
 @attrs.define
 class ForwardMetadata:
     """What the attention layers need for one packed forward: the cache and the step's
-    layout. ``probe`` collects K/V shapes instead."""
+    layout. ``probe`` collects K/V shapes instead. ``batch_invariant``: attention whose
+    result for a token does not depend on the rest of the step (:mod:`specdec.kernels.invariant`)."""
 
     cache: PagedKVCache | None
     layout: AttentionLayout | None = None
     probe: list | None = None
+    batch_invariant: bool = False
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -46,9 +48,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     slots = specdec.layout.slot_mapping
     keys.index_copy_(0, slots, k_new.to(keys.dtype))
     values.index_copy_(0, slots, v_new.to(values.dtype))
-    out = paged_attention(query[0], keys, values, specdec.layout,
-                          scaling if scaling is not None else query.shape[-1] ** -0.5,
-                          sliding_window, softcap)
+    attend = invariant_attention if specdec.batch_invariant else paged_attention
+    out = attend(query[0], keys, values, specdec.layout, scaling if scaling is not None else query.shape[-1] ** -0.5,
+                 sliding_window, softcap)
     return out.unsqueeze(0), None
 
 
@@ -159,6 +161,14 @@ class TargetModel:
         one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         return probe_kv_shapes(lambda meta: self.model(input_ids=one, position_ids=one, use_cache=False,
                                                        logits_to_keep=1, specdec=meta), type(self.model).__name__)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Give every linear layer a forward whose result for a row does not depend on the
+        other rows (:func:`specdec.kernels.make_linear_invariant`), or the stock one back.
+        The attention half of the mode is :attr:`ForwardMetadata.batch_invariant`."""
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                (make_linear_invariant if on else restore_linear)(module)
 
     @property
     def parts(self) -> TargetParts:

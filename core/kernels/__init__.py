@@ -12,6 +12,7 @@ import os
 import torch
 
 from .attention import paged_attention_torch
+from .invariant import invariant_attention, make_linear_invariant, restore_linear
 from .kv_copy import copy_kv_slots_torch
 from .layout import AttentionLayout, SequenceSlice
 from .verify import chain_rejection_torch, greedy_tree_verify_torch
@@ -97,4 +98,4 @@ def chain_rejection(p, *args):
 
 
 __all__ = ["AttentionLayout", "KernelError", "SequenceSlice", "chain_rejection", "copy_kv_slots", "greedy_tree_verify",
-           "paged_attention", "use_triton"]
+           "invariant_attention", "make_linear_invariant", "paged_attention", "restore_linear", "use_triton"]

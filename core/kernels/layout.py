@@ -14,6 +14,7 @@ from functools import cached_property
 import attrs
 import torch
 
+from .invariant import KEY_BLOCK
 
 def width_group(num_new: int) -> int:
     """The padding group of a sequence with ``num_new`` new tokens in a step: sequences of
@@ -155,6 +156,63 @@ class AttentionLayout:
                         "queries": queries.flatten().to(self.device),
                         "rows": torch.tensor(padded_rows, device=self.device),
                         "tokens": torch.tensor(tokens, device=self.device)})
+        return out
+
+    @cached_property
+    def invariant_rows(self) -> list[dict[str, torch.Tensor]]:
+        """The batch-invariant attention's view (:mod:`.invariant`): key rows in which a
+        query at position ``p`` sees its keys at columns ``0..p``, as plain decoding lays
+        them out. A causal sequence (a prompt chunk, a decode token, a draft chain) is one
+        row shared by its queries; each node of a draft tree gets its own row, its
+        ancestors compacted behind the context. Rows are grouped like :attr:`padded` (by
+        their number of queries), padded to the group's most queries and to a multiple of
+        :data:`.invariant.KEY_BLOCK` keys. Per group: ``slots [R, W]``,
+        ``key_pos [R, W]``, ``queries [R, M]`` (packed token index; padding repeats token
+        0), ``query_pos [R, M]``, ``bias [R, M, W]`` (0 where a query sees a key, else
+        ``-inf``), ``rows`` / ``tokens``: the padded row of each real query and its packed
+        index."""
+        if self.has_pending:
+            raise ValueError("the batch-invariant attention does not read pending draft masks")
+        groups: dict[int, list[tuple[list[int], list[int], list[tuple[int, int, int]]]]] = {}
+        first = 0
+        for s in self.seqs:
+            n = len(s.positions)
+            keys = self._slots(s, 0, s.start + n)
+            key_pos = list(range(s.start)) + s.positions.tolist()
+            causal = s.tree_mask is None or bool(torch.equal(s.tree_mask, self._tree(s).new_ones(n, n).tril()))
+            if causal:
+                queries = [(first + i, s.start + i + 1, key_pos[s.start + i]) for i in range(n)]
+                groups.setdefault(width_group(n), []).append((keys, key_pos, queries))
+            else:
+                for i in range(n):
+                    row = list(range(s.start)) + [s.start + j for j in s.tree_mask[i].nonzero().flatten().tolist()]
+                    query = (first + i, len(row), key_pos[s.start + i])
+                    groups.setdefault(1, []).append(([keys[j] for j in row], [key_pos[j] for j in row], [query]))
+            first += n
+        out = []
+        for _, members in sorted(groups.items()):
+            width = -(-max(len(k) for k, _, _ in members) // KEY_BLOCK) * KEY_BLOCK
+            m = max(len(q) for _, _, q in members)
+            slots = torch.zeros(len(members), width, dtype=torch.long)
+            key_pos = torch.zeros(len(members), width, dtype=torch.long)
+            queries = torch.zeros(len(members), m, dtype=torch.long)
+            query_pos = torch.zeros(len(members), m, dtype=torch.long)
+            counts = torch.ones(len(members), m, dtype=torch.long)
+            rows: list[int] = []
+            tokens: list[int] = []
+            for r, (row_slots, row_pos, qs) in enumerate(members):
+                slots[r, :len(row_slots)] = torch.tensor(row_slots)
+                key_pos[r, :len(row_pos)] = torch.tensor(row_pos)
+                for j, (token, count, pos) in enumerate(qs):
+                    queries[r, j], counts[r, j], query_pos[r, j] = token, count, pos
+                    rows.append(r * m + j)
+                    tokens.append(token)
+            bias = torch.zeros(len(members), m, width).masked_fill_(
+                torch.arange(width)[None, None, :] >= counts[:, :, None], float("-inf"))
+            to = lambda x: x.to(self.device)  # noqa: E731
+            out.append({"slots": to(slots), "key_pos": to(key_pos), "queries": to(queries),
+                        "query_pos": to(query_pos), "bias": to(bias), "rows": to(torch.tensor(rows)),
+                        "tokens": to(torch.tensor(tokens))})
         return out
 
     def window_mask(self, window: int) -> torch.Tensor:

@@ -54,13 +54,7 @@ class EagleConfig(SpeculativeConfig):
             return
         if self.use_dynamic_tree:
             raise FieldError(attribute.name, "a static tree and use_dynamic_tree exclude each other; give one")
-        try:
-            tree = StaticTree.from_choices(value)
-        except ValueError as exc:
-            raise FieldError(attribute.name, f"not a tree: {exc}") from None
-        if tree.depth > self.max_draft_len:
-            raise FieldError(attribute.name, f"the tree is {tree.depth} deep, more than max_draft_len "
-                                             f"{self.max_draft_len}; raise max_draft_len")
+        StaticTree.from_config(value, self.max_draft_len, attribute.name)
 
     def node_budget(self) -> int:
         if self.max_total_draft_tokens:

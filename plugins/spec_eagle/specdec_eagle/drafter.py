@@ -220,9 +220,7 @@ class EagleDrafter(Drafter):
         if config.use_dynamic_tree:
             return DynamicExpansion(config.dynamic_tree_max_topK, depth, nodes)
         if self.tree is not None:
-            keep = [i for i, p in enumerate(self.tree.paths) if len(p) <= depth][:nodes]
-            paths = [self.tree.paths[i] for i in keep]
-            return StaticExpansion(StaticTree.from_choices([list(p) for p in paths]))
+            return StaticExpansion(self.tree.trimmed(depth, nodes))
         return ChainExpansion(min(depth, nodes), request)
 
     @hookimpl

@@ -1,0 +1,208 @@
+"""Batch-invariant numerics: a token's result depends on nothing but its own sequence.
+
+Why this is needed: matrix-multiply libraries pick their kernel by shape, and different
+kernels add the same products in different orders. On this repository's CPU (torch 2.13,
+oneDNN), a bfloat16 ``linear`` whose reduction is longer than 1024 (an MLP's down
+projection) gives a row a different result once five or more rows share the call, and
+float32 ``matmul`` rounds differently for 1-3 rows than for 4, 8 or 12 and more; the
+attention's key count changes the result too. So in bfloat16 a greedy answer changed with
+the number of drafts verified with it and with the requests batched beside it.
+
+The mode fixes the shape of every reduction a token goes through, so that only the
+batch dimension varies (which no kernel reorders):
+
+- linear layers pad their rows and split their input dimension as a :class:`LinearPlan`
+  found by trying on this machine at first use (:func:`linear_plan`: the thresholds are
+  the kernel library's), the slices' products added in float32 in a fixed order;
+- attention runs in float32 over *key rows*: a query at position ``p`` sees the keys of
+  positions ``0..p`` at columns ``0..p``, as plain decoding lays them out (a draft tree's
+  ancestors compacted); rows are padded to a multiple of :data:`KEY_BLOCK` keys (scores
+  and softmax do not change with that padding), products have a multiple of
+  :data:`ROW_MULTIPLE` query rows (which the library treats alike), and the values are
+  summed :data:`KEY_BLOCK` keys at a time, the block sums added in order, so the
+  reduction over keys has a fixed length whatever the row's width.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+#: key rows are padded to a multiple of this, and values are summed a block of this many
+#: keys at a time (a fixed-length reduction), the blocks' sums added in order.
+KEY_BLOCK = 64
+#: rows of an attention product (queries times query heads per KV head) are padded to a
+#: multiple of this (1-3 rows round differently from 4, 8 and 12 or more).
+ROW_MULTIPLE = 4
+#: row counts checked when a linear shape is calibrated.
+_CHECK_ROWS = (2, 3, 4, 5, 7, 8, 11, 16, 17, 33, 64)
+
+
+# -- linear -----------------------------------------------------------------------------
+
+@attrs.frozen
+class LinearPlan:
+    """How to run one linear shape batch-invariantly: rows padded to a multiple of
+    ``row_multiple``; the input dimension cut in ``parts`` equal slices whose products
+    (one batched product) are added in float32 in a fixed order."""
+
+    row_multiple: int
+    parts: int
+
+    @property
+    def is_stock(self) -> bool:
+        return self.row_multiple == 1 and self.parts == 1
+
+
+def split_weight(weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """``[out, in]`` -> ``[parts, in / parts, out]``: the slices a planned linear multiplies by."""
+    out_features, in_features = weight.shape
+    return weight.detach().view(out_features, parts, in_features // parts).permute(1, 2, 0).contiguous()
+
+
+def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan) -> torch.Tensor:
+    """``F.linear`` under ``plan``; ``weight`` as :func:`split_weight` made it when ``plan.parts > 1``."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    rows = x.shape[0]
+    if rows % plan.row_multiple:
+        x = torch.cat([x, x.new_zeros(plan.row_multiple - rows % plan.row_multiple, x.shape[1])])
+    if plan.parts == 1:
+        out = F.linear(x, weight, bias)
+    else:
+        products = torch.bmm(x.view(len(x), plan.parts, -1).transpose(0, 1), weight)
+        acc = products[0].float()
+        for part in products[1:]:
+            acc.add_(part)
+        if bias is not None:
+            acc.add_(bias)
+        out = acc.to(x.dtype)
+    return out[:rows].reshape(*shape[:-1], out.shape[-1])
+
+
+def _rows_invariant(weight: torch.Tensor, plan: LinearPlan) -> bool:
+    x = torch.randn(max(_CHECK_ROWS), weight.shape[1], generator=torch.Generator().manual_seed(0))
+    x = x.to(weight.device, weight.dtype)
+    w = split_weight(weight, plan.parts) if plan.parts > 1 else weight
+    alone: list[torch.Tensor] = []  # each row on its own, computed as far as a check needs (most plans fail early)
+    for m in _CHECK_ROWS:
+        alone += [planned_linear(x[i:i + 1], w, None, plan) for i in range(len(alone), m)]
+        if not torch.equal(planned_linear(x[:m], w, None, plan), torch.cat(alone)):
+            return False
+    return True
+
+
+@functools.cache
+def _linear_plan(out_features: int, in_features: int, dtype: torch.dtype, device: str, threads: int) -> LinearPlan:
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1))
+    weight = (weight * in_features ** -0.5).to(device, dtype)
+    divisors = [p for p in range(1, in_features // 64 + 1) if in_features % p == 0] or [1]
+    for row_multiple in (1, ROW_MULTIPLE, 2 * ROW_MULTIPLE):
+        for parts in divisors:
+            plan = LinearPlan(row_multiple, parts)
+            if _rows_invariant(weight, plan):
+                if not plan.is_stock:
+                    log.info("batch-invariant %s linear %dx%d on %s: rows padded to a multiple of %d, input in %d "
+                             "parts", dtype, in_features, out_features, device, row_multiple, parts)
+                return plan
+    raise RuntimeError(f"no batch-invariant way to compute a {in_features}x{out_features} {dtype} linear on "
+                       f"{device} was found; turn engine.batch_invariant off for this model")
+
+
+def linear_plan(weight: torch.Tensor) -> LinearPlan:
+    """The :class:`LinearPlan` under which ``weight`` (``[out, in]``) gives each row the same
+    result however many rows share the call: found by trying, once per shape, dtype, device
+    and thread count (the thresholds are the kernel library's)."""
+    return _linear_plan(weight.shape[0], weight.shape[1], weight.dtype, weight.device.type, torch.get_num_threads())
+
+
+def make_linear_invariant(module: torch.nn.Linear) -> None:
+    """Give ``module`` a batch-invariant forward (undo with :func:`restore_linear`)."""
+    plan = linear_plan(module.weight)
+    if plan.is_stock:
+        return
+    weight = split_weight(module.weight, plan.parts) if plan.parts > 1 else module.weight
+    module.forward = functools.partial(planned_linear, weight=weight, bias=module.bias, plan=plan)
+
+
+def restore_linear(module: torch.nn.Linear) -> None:
+    module.__dict__.pop("forward", None)
+
+
+# -- attention --------------------------------------------------------------------------
+
+def _contiguous_float(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+
+
+def _fold_indices(group: dict, rep: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where a group's products read their query rows and where its outputs are (cached in
+    the group): ``q_index`` into ``[rep * T]`` query rows per KV head, for every key row's
+    ``rep * M`` rows (query-head-major) padded to a multiple of :data:`ROW_MULTIPLE`;
+    ``o_index`` into the outputs' ``R * height`` rows, per real query and query head."""
+    key = ("fold", rep, tokens)
+    if key not in group:
+        queries = group["queries"]
+        rows, m = queries.shape
+        height = -(-rep * m // ROW_MULTIPLE) * ROW_MULTIPLE
+        q_index = torch.zeros(rows, height, dtype=torch.long, device=queries.device)
+        q_index[:, :rep * m] = (torch.arange(rep, device=queries.device)[None, :, None] * tokens
+                                + queries[:, None, :]).reshape(rows, rep * m)
+        real = group["rows"]  # r * M + j per real query, in the group's token order
+        r, j = real // m, real % m
+        o_index = (r[:, None] * height + torch.arange(rep, device=real.device)[None, :] * m + j[:, None]).flatten()
+        group[key] = (q_index.flatten(), o_index, height)
+    return group[key]
+
+
+def invariant_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, layout, scale: float,
+                        sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention of the step's new tokens whose result for a token does not depend on the
+    other tokens of the step (see the module docstring); float32 inside.
+
+    ``query`` ``[heads, T, dim]``; the pools ``[slots, kv_heads, dim]`` (new tokens written);
+    ``layout.invariant_rows`` says which keys each query sees. Returns ``[T, heads, value_dim]``.
+    """
+    heads, tokens, dim = query.shape
+    kv_heads, dim_v = key_pool.shape[1], value_pool.shape[-1]
+    rep = heads // kv_heads
+    q_all = _contiguous_float(query).view(kv_heads, rep * tokens, dim)
+    if softcap is None:
+        q_all = q_all * scale
+    groups = layout.invariant_rows
+    out = None if len(groups) == 1 else query.new_empty(tokens, heads, dim_v)
+    for g in groups:
+        slots = g["slots"]
+        rows, width = slots.shape
+        q_index, o_index, height = _fold_indices(g, rep, tokens)
+        # KV-head-major [kv_heads * R, W, dim]: one copy converts and lays out
+        k = key_pool.index_select(0, slots.flatten()).view(rows, width, kv_heads, dim).permute(2, 0, 1, 3)
+        k = _contiguous_float(k).view(kv_heads * rows, width, dim)
+        v = value_pool.index_select(0, slots.flatten()).view(rows, width, kv_heads, dim_v).permute(2, 0, 1, 3)
+        v = _contiguous_float(v).view(kv_heads * rows, width, dim_v)
+        # each KV head's query heads folded into rows: [kv_heads * R, rep * M + padding, dim]
+        q = q_all.index_select(1, q_index).view(kv_heads * rows, height, dim)
+        scores = torch.bmm(q, k.transpose(1, 2))
+        if softcap is not None:
+            scores = torch.tanh(scores * (scale / softcap)) * softcap
+        bias = g["bias"] if sliding_window is None else g["bias"].masked_fill(
+            (g["query_pos"][:, :, None] - g["key_pos"][:, None, :]) >= sliding_window, float("-inf"))
+        m = bias.shape[1]
+        scores[:, :rep * m].view(kv_heads, rows, rep, m, width).add_(bias[None, :, None])
+        # values a block of KEY_BLOCK keys at a time: a reduction of fixed length, however wide the row
+        blocks = width // KEY_BLOCK
+        probs = torch.softmax(scores, dim=-1).view(kv_heads * rows, height, blocks, KEY_BLOCK).transpose(1, 2)
+        o = torch.matmul(probs, v.view(kv_heads * rows, blocks, KEY_BLOCK, dim_v)).sum(dim=1)
+        o = o.view(kv_heads, rows * height, dim_v).index_select(1, o_index)
+        o = o.view(kv_heads, -1, rep, dim_v).transpose(0, 1).reshape(-1, heads, dim_v).to(query.dtype)
+        if out is None:
+            out = o
+        else:
+            out.index_copy_(0, g["tokens"], o)
+    return out

@@ -1,0 +1,38 @@
+"""`specdec train medusa` on the embedded model: a few CPU steps through the core's loop and
+feature store; the heads are written in the Medusa-1 layout (sharing the target's LM
+head), learn, and draft losslessly."""
+
+import json
+
+import torch
+from safetensors import safe_open
+
+from specdec import LLM, SamplingParams, testing
+from specdec.training import TrainOptions, train
+
+
+def test_trained_heads_are_saved_in_the_medusa1_layout_and_draft_losslessly(tmp_path):
+    data = testing.prompt_file(tmp_path)
+    out = tmp_path / "medusa"
+    report = train(TrainOptions(method="medusa", data=str(data), out=str(out), max_new_tokens=16, batch_size=8,
+                                eval_prompts=1, gen_dtype="float32", device="cpu", max_steps=10, lr=1e-3,
+                                warmup_steps=2, trainer_options={"num_heads": 2, "loss_vocab_size": 512}),
+                   progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 1 and config["shares_lm_head"]
+    with safe_open(str(out / "medusa_lm_head.safetensors"), "pt") as f:
+        keys = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    assert keys == {"0.0.linear.weight": [576, 576], "0.0.linear.bias": [576],
+                    "1.0.linear.weight": [576, 576], "1.0.linear.bias": [576]}
+    assert (out / "draft_vocab.safetensors").exists()
+    history = torch.load(out / "checkpoint.pt", weights_only=False)["state"]["history"]
+    assert report["steps"] == len(history) == 10 and history[-1]["loss"] < history[0]["loss"]
+    assert {"acc0", "acc1"} <= set(history[-1])
+    prompts = [[{"role": "user", "content": "Give me a short list of fruits."}]]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = LLM(dtype="float32").chat(prompts, params)[0]
+    spec = LLM(dtype="float32", speculative_config={"decoding_type": "medusa", "speculative_model": str(out),
+                                                    "max_draft_len": 2, "adaptive": False})
+    got = spec.chat(prompts, params)[0]
+    assert got.token_ids == plain.token_ids and got.metrics.num_draft_tokens > 0
+    assert len(spec.drafter.draft_to_target) <= 512
