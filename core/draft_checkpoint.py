@@ -6,6 +6,12 @@ target it was trained for. Weights the drafter shares with the target (input emb
 LM head) are left out of the file and taken from the target at load time, which keeps a
 drafter for the embedded model a few MB. The reduced draft vocabulary, where there is one,
 is a ``[draft_vocab]`` tensor of target token ids (``draft_vocab.safetensors``).
+
+Shipped weight files may hold their large matrices as int8 with one float scale per row
+(``NAME`` int8 and ``NAME.int8_scale``; :func:`store_int8`), which halves a bfloat16
+file; :func:`load_tensors` gives them back as float32, so loaders never see the storage.
+The drafter then runs at its usual precision on weights rounded to 8 bits; drafts change
+slightly, never output (verification decides what is kept).
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from .errors import ModelLoadError
 
 SECTION = "specdec_draft"
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+INT8_SCALE = ".int8_scale"
+#: Matrices smaller than this stay as they are: their scales would cost more than they save.
+INT8_MIN_ELEMENTS = 65536
 
 
 def target_signature(target) -> dict:
@@ -57,11 +66,37 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+            tensors = load_file(str(path))
+        else:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ModelLoadError(f"drafter weights {path}: cannot read them ({type(exc).__name__}: {exc}); the "
                              "file is corrupt or incomplete") from None
+    return _expand_int8(tensors, path)
+
+
+def store_int8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every floating matrix of at least :data:`INT8_MIN_ELEMENTS`
+    elements as int8 rows and their scales (symmetric, round to nearest)."""
+    out = {}
+    for key, value in tensors.items():
+        if value.is_floating_point() and value.dim() == 2 and value.numel() >= INT8_MIN_ELEMENTS:
+            value = value.float()
+            scale = value.abs().amax(dim=1).clamp_min(1e-12) / 127
+            out[key] = torch.round(value / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            out[key + INT8_SCALE] = scale
+        else:
+            out[key] = value
+    return out
+
+
+def _expand_int8(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    scaled = [k[:-len(INT8_SCALE)] for k in tensors if k.endswith(INT8_SCALE)]
+    for key in scaled:
+        if key not in tensors or tensors[key].dtype != torch.int8:
+            raise ModelLoadError(f"drafter weights {path}: {key}{INT8_SCALE} scales no int8 tensor {key}")
+        tensors[key] = tensors[key].float() * tensors.pop(key + INT8_SCALE).float()[:, None]
+    return tensors
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -85,6 +120,11 @@ def load_state_checked(module: torch.nn.Module, state: dict[str, torch.Tensor], 
         raise ModelLoadError(f"drafter weights {path} do not fit the drafter: "
                              + "; ".join(p for p in parts if p))
     module.load_state_dict(state, strict=False)
+
+
+def save_draft_vocab(directory: Path, token_ids: torch.Tensor) -> None:
+    """Write a reduced drafting vocabulary (target token ids) for :func:`load_draft_vocab`."""
+    save_tensors({"token_ids": token_ids.to(torch.int32)}, directory / DRAFT_VOCAB_FILE)
 
 
 def load_draft_vocab(directory: Path, vocab_size: int) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ Every check raises AssertionError with a message saying what is wrong.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import socket
@@ -163,9 +164,13 @@ def check_greedy_lossless(options: dict, model: str | Path | None = None, prompt
     in another test.
 
     ``model`` defaults to a tiny random Llama; prompts are token-id lists by default so a
-    model without a tokenizer works. Returns the speculative outputs.
+    model without a tokenizer works. The drafter drafts every step unless ``options`` say
+    ``adaptive: true``: the adaptive planner's choices follow measured step times, which
+    would make the check depend on the machine's load. Returns the speculative outputs.
     """
     from .api import LLM
+
+    options = {"adaptive": False, **options}
 
     if prompts is None:
         g = torch.Generator().manual_seed(1)
@@ -212,9 +217,11 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     The empirical distribution of output token ``position`` (the second token, the first
     one verified against drafts, by default) over ``n`` seeds is compared (chi-square) with
     its exact distribution, computed from the stock model by summing over every earlier
-    output (keep ``top_k`` small). Returns the p-value and the number of accepted draft
-    tokens (a test should check drafts were accepted at all).
+    output (keep ``top_k`` small). The drafter drafts every step unless ``options`` say
+    ``adaptive: true`` (see :func:`check_greedy_lossless`). Returns the p-value and the
+    number of accepted draft tokens (a test should check drafts were accepted at all).
     """
+    options = {"adaptive": False, **options}
     from transformers import AutoModelForCausalLM
 
     from .api import LLM
@@ -241,6 +248,52 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     p_value = chi_square_p_value(counts, exact, n)
     assert p_value > min_p_value, f"sampled output departs from the target distribution (p-value {p_value:.2e})"
     return p_value, accepted
+
+
+#: Chat prompts on which drafters shipped for the embedded model are checked (not in any
+#: training data or bench category).
+SHIPPED_CHECK_PROMPTS = [
+    [{"role": "user", "content": "Explain why the sky looks blue, in two sentences."}],
+    [{"role": "user", "content": "A box holds 12 eggs. How many eggs are in 7 boxes? Think step by step."}]]
+SHIPPED_CHECK_PARAMS = SamplingParams(max_tokens=48, temperature=0.0)
+
+
+@functools.lru_cache(maxsize=1)
+def embedded_plain_chat() -> tuple:
+    """Plain greedy float32 answers of the embedded model to :data:`SHIPPED_CHECK_PROMPTS`
+    (computed once per process)."""
+    from .api import LLM
+
+    return tuple(LLM(dtype="float32").chat(SHIPPED_CHECK_PROMPTS, SHIPPED_CHECK_PARAMS))
+
+
+def check_shipped_drafter(options: dict, min_length: float):
+    """A drafter on the embedded model in float32, drafting its full shape every step
+    (``adaptive`` off unless ``options`` says otherwise): greedy output equals plain greedy
+    output on :data:`SHIPPED_CHECK_PROMPTS`, and the acceptance length (tokens per target
+    step) is at least ``min_length``. Returns the speculative ``LLM`` and the length."""
+    from .api import LLM
+
+    spec = LLM(dtype="float32", speculative_config={"adaptive": False, **options})
+    got = spec.chat(SHIPPED_CHECK_PROMPTS, SHIPPED_CHECK_PARAMS)
+    for i, (a, b) in enumerate(zip(embedded_plain_chat(), got)):
+        assert b.token_ids == a.token_ids, f"prompt {i}: output departs from plain greedy at token " \
+                                           f"{first_divergence(a.token_ids, b.token_ids)}"
+    length = sum(len(o.token_ids) for o in got) / sum(o.metrics.num_steps for o in got)
+    assert length >= min_length, f"{options}: acceptance length {length:.3f} < {min_length}"
+    return spec, length
+
+
+def check_shipped_sampling(options: dict, n: int = 250) -> int:
+    """:func:`check_sampling_lossless` on the embedded model (a short chat prompt,
+    temperature 1, top-k 4); returns the accepted draft tokens."""
+    from .api import LLM
+    from .models import resolve_model_dir
+
+    prompt = LLM(dtype="float32").apply_chat_template([{"role": "user", "content": "Name a color."}])
+    _, accepted = check_sampling_lossless(options, resolve_model_dir(None), prompt=prompt, n=n,
+                                          params=SamplingParams(temperature=1.0, top_k=4))
+    return accepted
 
 
 @contextlib.contextmanager

@@ -131,6 +131,17 @@ def distill(llm, items: list[dict], cache: Path, max_new_tokens: int, chunk: int
     return samples
 
 
+def draft_vocabulary(target, samples, size: int) -> torch.Tensor:
+    """The tokens a drafter for ``target`` learns to draft, on its device: the ``size`` most
+    frequent in the answers plus the end-of-sequence token, or every token when ``size`` is
+    0 or covers the vocabulary."""
+    vocab = target.parts.vocab_size
+    if size <= 0 or size >= vocab:
+        return torch.arange(vocab, device=target.device)
+    eos = getattr(target.tokenizer, "eos_token_id", None)
+    return frequent_tokens(samples, size, {eos} if eos is not None else set()).to(target.device)
+
+
 def frequent_tokens(samples, size: int, always: set[int]) -> torch.Tensor:
     """The ``size`` tokens most frequent in the samples' answers (plus ``always``), sorted."""
     counts = Counter()

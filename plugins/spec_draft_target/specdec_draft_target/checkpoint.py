@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.draft_checkpoint import (DRAFT_VOCAB_FILE, SECTION, load_state_checked, load_tensors, read_config,
+from specdec.draft_checkpoint import (SECTION, load_state_checked, load_tensors, read_config, save_draft_vocab,
                                       save_tensors)
 from specdec import TargetParts
 
@@ -58,4 +58,4 @@ def save_trained_draft(model, directory: Path, meta: dict, draft_vocab: torch.Te
     config[SECTION] = meta
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if draft_vocab is not None:
-        save_tensors({"token_ids": draft_vocab.to(torch.int32)}, directory / DRAFT_VOCAB_FILE)
+        save_draft_vocab(directory, draft_vocab)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.draft_checkpoint import target_signature
-from specdec.training import MethodTrainer, TrainBatch, frequent_tokens
+from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary
 
 from .checkpoint import build_draft_model, save_trained_draft
 
@@ -39,9 +39,8 @@ class DraftTargetTrainer(MethodTrainer):
         base.norm.load_state_dict(parts.final_norm.state_dict())
         self.base = base
         vocab = parts.vocab_size
-        size = int(self.opts["draft_vocab_size"])
-        self.draft_vocab = None if size <= 0 or size >= vocab else frequent_tokens(
-            samples, size, {t for t in [getattr(target.tokenizer, "eos_token_id", None)] if t is not None})
+        drafted = draft_vocabulary(target, samples, int(self.opts["draft_vocab_size"]))
+        self.draft_vocab = drafted if len(drafted) < vocab else None
         head = parts.lm_head.weight.detach()
         self.head = head if self.draft_vocab is None else head[self.draft_vocab.to(head.device)]
         self.to_draft = torch.arange(vocab, device=head.device)

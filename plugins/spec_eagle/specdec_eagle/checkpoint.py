@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from specdec.draft_checkpoint import (DRAFT_VOCAB_FILE, SECTION, check_target, load_state_checked, load_tensors,
+from specdec.draft_checkpoint import (SECTION, check_target, load_state_checked, load_tensors, save_draft_vocab,
                                       read_config, save_tensors)
 from specdec.errors import ModelLoadError
 
@@ -145,5 +145,5 @@ def save_head(head: EagleHead, directory: Path, meta: dict, capture_layers: list
              (head.generation == 3 and k.startswith("lm_head."))}
     save_tensors(state, directory / WEIGHTS)
     if vocab is not None and head.generation == 1:
-        save_tensors({"token_ids": vocab.to(torch.int32)}, directory / DRAFT_VOCAB_FILE)
+        save_draft_vocab(directory, vocab)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.draft_checkpoint import target_signature
-from specdec.training import MethodTrainer, TrainBatch, frequent_tokens
+from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary
 
 from .checkpoint import default_capture_layers, head_config, save_head
 from .modules import Eagle1Head, Eagle3Head, unrolled_attention
@@ -41,11 +41,7 @@ class EagleTrainer(MethodTrainer):
     def __init__(self, target, samples, options):
         super().__init__(target, samples, options)
         self.parts = target.parts
-        eos = getattr(target.tokenizer, "eos_token_id", None)
-        size = int(self.opts[self.vocab_option])
-        vocab = self.parts.vocab_size
-        self.vocab = (torch.arange(vocab) if size <= 0 or size >= vocab
-                      else frequent_tokens(samples, size, {eos} if eos is not None else set())).to(target.device)
+        self.vocab = draft_vocabulary(target, samples, int(self.opts[self.vocab_option]))
         self.head = self._build_head().to(target.device)
         self.head.embed_tokens = self.parts.embed_tokens
 

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import torch
 
-from specdec import Drafter, DraftProposal, hookimpl
-from specdec.draft_checkpoint import load_draft_vocab
+from specdec import DraftProposal, hookimpl
 from specdec.errors import FieldError, ModelLoadError
+from specdec.last_state import LastStateDrafter
 from specdec.models import EMBEDDED_NAME, resolve_model_dir
 from specdec.sampler import pick_draft_token
 
 from .checkpoint import SHIPPED_HEADS, load_heads
 
-STATE = "medusa"
 
+class MedusaDrafter(LastStateDrafter):
+    state_key = "medusa"
 
-class MedusaDrafter(Drafter):
     def __init__(self, config, target):
         super().__init__(config, target)
         source = config.speculative_model
@@ -49,46 +49,23 @@ class MedusaDrafter(Drafter):
                              f"the tree is {self.tree.depth} deep, but {directory} has {usable} usable heads; "
                              f"give a tree at most {usable} deep")
         self.heads = heads.to(target.device, target.dtype).eval().requires_grad_(False)
-        # Heads sharing the target's LM head read it on the tokens they were trained to draft
-        # (all of them when the directory has no drafting vocabulary).
-        self.draft_to_target = None
-        if self.heads.shares_lm_head:
-            weight = target.parts.lm_head.weight.detach()
-            self.draft_to_target = load_draft_vocab(directory, target.vocab_size)
-            if self.draft_to_target is not None:
-                self.draft_to_target = self.draft_to_target.to(target.device)
-                weight = weight[self.draft_to_target]
-            self._head_weight = weight
+        if self.heads.shares_lm_head:  # over the tokens they were trained to draft
+            self.share_target_head(directory)
 
     def _logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:
         """``[rows, depth, draft vocab]`` float logits of the first ``depth`` heads."""
         out = self.heads.outputs(hidden, depth)
-        return (out @ self._head_weight.T if self.heads.shares_lm_head else out).float()
-
-    def _tokens(self, ids: torch.Tensor) -> list[int]:
-        return (ids if self.draft_to_target is None else self.draft_to_target[ids]).tolist()
-
-    @hookimpl
-    def target_hidden_layers(self, target):
-        return [-1]
-
-    @hookimpl
-    def on_draft_verified(self, results):
-        for r in results:
-            if r.new_token_ids and -1 in r.hidden_states:
-                # the state whose logits gave the newest token: the heads look one further
-                r.request.drafter_state[STATE] = r.hidden_states[-1][-1]
+        return (self.target_head_logits(out) if self.heads.shares_lm_head else out).float()
 
     @hookimpl
     def prepare_draft_tokens(self, requests, draft_lens, max_nodes):
         proposals: list[DraftProposal | None] = [None] * len(requests)
-        active = [i for i, r in enumerate(requests) if STATE in r.drafter_state and draft_lens[i] > 0]
+        active = self.ready(requests, draft_lens)
         if not active:
             return proposals
         trees = {i: self.tree.trimmed(draft_lens[i], max_nodes[i]) for i in active}
         depth = max(t.depth for t in trees.values())
-        hidden = torch.stack([requests[i].drafter_state.pop(STATE) for i in active])
-        logits = self._logits(hidden, depth)
+        logits = self._logits(self.take_states(requests, active), depth)
         top = logits.topk(min(self.tree.max_rank + 1, logits.shape[-1]), dim=-1).indices
         for row, i in enumerate(active):
             req, tree = requests[i], trees[i]
@@ -98,7 +75,7 @@ class MedusaDrafter(Drafter):
                 proposals[i] = DraftProposal(token_ids=[t for t, _ in drawn],
                                              draft_probs=torch.stack([q for _, q in drawn]), sibling_sampling="iid")
                 continue
-            ranked = [self._tokens(top[row, d]) for d in range(tree.depth)]
+            ranked = [self.to_target_ids(top[row, d]).tolist() for d in range(tree.depth)]
             tokens = tree.fill([ranked[0]] + [ranked[len(p)] if len(p) < tree.depth else [] for p in tree.paths])
             proposals[i] = DraftProposal(token_ids=tokens, parents=list(tree.parents))
         return proposals

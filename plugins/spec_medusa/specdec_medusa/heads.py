@@ -14,23 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-class ResBlock(nn.Module):
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
-        nn.init.zeros_(self.linear.weight)  # the reference starts from the identity
-        self.act = nn.SiLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.act(self.linear(x))
+from specdec.layers import ResBlock
 
 
 class MedusaHeads(nn.ModuleList):
     """``num_heads`` heads; ``vocab_size`` None: they share the target's LM head."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_layers: int, vocab_size: int | None):
-        blocks = [[ResBlock(hidden_size) for _ in range(num_layers)] for _ in range(num_heads)]
+        blocks = [[ResBlock(hidden_size, identity_init=True) for _ in range(num_layers)] for _ in range(num_heads)]
         if vocab_size is not None:
             for head in blocks:
                 head.append(nn.Linear(hidden_size, vocab_size, bias=False))

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft_checkpoint import DRAFT_VOCAB_FILE, save_tensors, target_signature
-from specdec.training import MethodTrainer, TrainBatch, frequent_tokens
+from specdec.draft_checkpoint import save_draft_vocab, target_signature
+from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary
 
 from .checkpoint import save_heads
 from .heads import MedusaHeads
@@ -26,10 +26,7 @@ class MedusaTrainer(MethodTrainer):
     def __init__(self, target, samples, options):
         super().__init__(target, samples, options)
         self.parts = target.parts
-        eos = getattr(target.tokenizer, "eos_token_id", None)
-        size = int(self.opts["loss_vocab_size"])
-        self.vocab = (torch.arange(self.parts.vocab_size) if size <= 0 or size >= self.parts.vocab_size
-                      else frequent_tokens(samples, size, {eos} if eos is not None else set())).to(target.device)
+        self.vocab = draft_vocabulary(target, samples, int(self.opts["loss_vocab_size"]))
         self.heads = MedusaHeads(self.parts.hidden_size, int(self.opts["num_heads"]), int(self.opts["num_layers"]),
                                  None).to(target.device)
 
@@ -65,7 +62,7 @@ class MedusaTrainer(MethodTrainer):
                 "trainer_options": self.opts}
         save_heads(self.heads, directory, meta)
         if len(self.vocab) != self.parts.vocab_size:
-            save_tensors({"token_ids": self.vocab.to(torch.int32).cpu()}, directory / DRAFT_VOCAB_FILE)
+            save_draft_vocab(directory, self.vocab)
 
     def speculative_config(self, directory):
         return {"decoding_type": "medusa", "speculative_model": str(directory), "max_draft_len": len(self.heads)}

@@ -10,44 +10,25 @@ import sys
 import pytest
 
 from specdec import LLM, SamplingParams, testing
-from specdec.models import resolve_model_dir
 from specdec_medusa import SHIPPED_HEADS
 
-PROMPTS = [[{"role": "user", "content": "Explain why the sky looks blue, in two sentences."}],
-           [{"role": "user", "content": "A box holds 12 eggs. How many eggs are in 7 boxes? Think step by step."}]]
-PARAMS = SamplingParams(max_tokens=48, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return LLM(dtype="float32").chat(PROMPTS, PARAMS)
+PROMPTS = testing.SHIPPED_CHECK_PROMPTS
 
 
 @pytest.mark.parametrize("mode, min_length", [
     ({}, 1.4),  # measured 1.48
     ({"medusa_choices": [[0, 0, 0]]}, 1.25),  # 1.32
 ])
-def test_shipped_heads_are_lossless_and_accepted(plain, mode, min_length):
-    # the heads' acceptance at their full tree: the adaptive planner would trim it
-    spec = LLM(dtype="float32", speculative_config={"decoding_type": "medusa", "adaptive": False, **mode})
+def test_shipped_heads_are_lossless_and_accepted(mode, min_length):
+    spec, _ = testing.check_shipped_drafter({"decoding_type": "medusa", **mode}, min_length)
     assert (SHIPPED_HEADS / "config.json").exists() and spec.drafter.heads.shares_lm_head
-    got = spec.chat(PROMPTS, PARAMS)
-    for a, b in zip(plain, got):
-        assert b.token_ids == a.token_ids
-    length = sum(len(o.token_ids) for o in got) / sum(o.metrics.num_steps for o in got)
-    assert length >= min_length, (mode, length)
 
 
 @pytest.mark.parametrize("mode", [{"medusa_choices": [[0, 0]]}, {"medusa_choices": [[0, 0], [1], [0, 1]]}])
 def test_sampled_output_follows_the_target(mode):
-    path = resolve_model_dir(None)
-    llm = LLM(dtype="float32")
-    prompt = llm.apply_chat_template([{"role": "user", "content": "Name a color."}])
     # adaptive off: three-token requests end before the planner has evidence to draft
-    _, accepted = testing.check_sampling_lossless(
-        {"decoding_type": "medusa", "speculative_model": str(SHIPPED_HEADS), "max_draft_len": 2, "adaptive": False,
-         **mode}, path, prompt=prompt, n=250, params=SamplingParams(temperature=1.0, top_k=4))
-    assert accepted > 0
+    assert testing.check_shipped_sampling({"decoding_type": "medusa", "speculative_model": str(SHIPPED_HEADS),
+                                           "max_draft_len": 2, "adaptive": False, **mode}) > 0
 
 
 def test_typical_acceptance_is_opt_in_and_labelled_lossy():

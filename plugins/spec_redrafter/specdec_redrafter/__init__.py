@@ -1,7 +1,21 @@
-"""ReDrafter: registration and options; the method comes in its own issue.
+"""ReDrafter (``redrafter``, alias ``ReDrafter``): a recurrent draft head on the target's last
+hidden state; its beam search proposes a tree, verified in one target forward.
 
-Options: speculative_model (the recurrent draft head), num_beams (beams searched by the
-head; their shared prefixes form the verification tree).
+Options (defaults in brackets):
+    speculative_model [the shipped drafter on the embedded model]: a directory in the
+        reference's layout (``config.json`` with ``model_type: recurrent_drafting_drafter``,
+        ``model.safetensors`` or ``pytorch_model.bin``), or what ``specdec train
+        redrafter`` wrote. Alias: speculative_model_dir.
+    beam_width [4]: beams searched per request and step (1: a chain).
+    beam_length [max_draft_len + 1]: tokens per beam as the reference counts them, the
+        target's own token included; give it or ``max_draft_len`` (the drafts per beam).
+    max_draft_len [4]: the beams' draft tokens: the tree's depth.
+    max_total_draft_tokens [beam_width x max_draft_len]: the most tree nodes per step;
+        beams sharing a prefix share its nodes, and a tree over the budget keeps its
+        best beams.
+
+Verification is lossless: greedy output equals the target's greedy output, and sampled
+output follows the target's distribution.
 """
 
 from __future__ import annotations
@@ -10,15 +24,43 @@ import attrs
 
 from specdec import DecodingType, hookimpl
 from specdec.config import SpeculativeConfig, in_range
+from specdec.errors import FieldError
+
+from .checkpoint import SHIPPED_DRAFTER, load_drafter, save_drafter
+from .drafter import ReDrafterDrafter
+from .model import DrafterShape, RecurrentDrafter
+from .trainer import ReDrafterTrainer
+
+
+def _depth_from_beam_length(config) -> int:
+    return config.beam_length - 1 if config.beam_length is not None else 4
 
 
 @attrs.frozen(kw_only=True)
 class ReDrafterConfig(SpeculativeConfig):
     speculative_model: str | None = None
-    num_beams: int = attrs.field(default=4, validator=in_range(1, 64))
+    beam_width: int = attrs.field(default=4, validator=in_range(1, 64))
+    beam_length: int | None = attrs.field(default=None, validator=in_range(2, 65))
+    max_draft_len: int = attrs.field(default=attrs.Factory(_depth_from_beam_length, takes_self=True),
+                                     validator=in_range(1, 64))
+
+    def __attrs_post_init__(self):
+        if self.beam_length is not None and self.beam_length != self.max_draft_len + 1:
+            raise FieldError("beam_length", f"{self.beam_length} tokens per beam means max_draft_len "
+                                            f"{self.beam_length - 1}, but max_draft_len is {self.max_draft_len}; "
+                                            "give one of them")
+
+    def node_budget(self) -> int:
+        return self.max_total_draft_tokens or self.beam_width * self.max_draft_len
 
 
 @hookimpl
 def register_decoding_types(register):
     register(DecodingType(name="redrafter", aliases=("ReDrafter",), config_class=ReDrafterConfig,
-                          description="recurrent draft head with beam search (not implemented yet)"))
+                          drafter_class=ReDrafterDrafter, trainer_class=ReDrafterTrainer,
+                          description="recurrent draft head on the target's last hidden state; beam search "
+                                      "merged into a tree"))
+
+
+__all__ = ["SHIPPED_DRAFTER", "DrafterShape", "ReDrafterConfig", "ReDrafterDrafter", "ReDrafterTrainer",
+           "RecurrentDrafter", "load_drafter", "save_drafter"]

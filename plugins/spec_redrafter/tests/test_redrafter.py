@@ -1,0 +1,23 @@
+"""The drafter shipped for the embedded model: the default for redrafter on it; greedy
+output identical to plain greedy in float32 with drafts accepted, as beams and as a chain;
+sampled output follows the target's distribution."""
+
+import pytest
+
+from specdec import testing
+from specdec_redrafter import SHIPPED_DRAFTER
+
+
+@pytest.mark.parametrize("mode, min_length", [
+    ({}, 1.6),
+    ({"beam_width": 1}, 1.4),
+])
+def test_shipped_drafter_is_lossless_and_accepted(mode, min_length):
+    spec, _ = testing.check_shipped_drafter({"decoding_type": "redrafter", **mode}, min_length)
+    assert (SHIPPED_DRAFTER / "config.json").exists() and spec.drafter.model.shape.shares_lm_head
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_sampled_output_follows_the_target(width):
+    assert testing.check_shipped_sampling({"decoding_type": "redrafter", "speculative_model": str(SHIPPED_DRAFTER),
+                                           "max_draft_len": 2, "beam_width": width}) > 0
