@@ -48,6 +48,21 @@ def check_target(directory: Path, meta: dict, target) -> None:
                 "`specdec train`")
 
 
+def drafter_directory(source: str | None, target, shipped: Path, method: str, what: str) -> Path:
+    """The directory of the drafter to load: ``source`` (``speculative_model``), or, when it
+    is None, the drafter ``shipped`` for the embedded model; on another target a
+    ModelLoadError says to give one or train one (``what``: "heads", "a drafter"...)."""
+    from .models import EMBEDDED_NAME, resolve_model_dir
+
+    if source is None:
+        if target.name != EMBEDDED_NAME:
+            raise ModelLoadError(f"speculative_config.speculative_model: {method} needs {what} trained for "
+                                 f"{target.name!r}; give its directory, or train one with "
+                                 f"`specdec train {method} --model ...`")
+        source = str(shipped)
+    return resolve_model_dir(source)
+
+
 def read_config(directory: str | Path) -> dict:
     directory = Path(directory)
     path = directory / "config.json"

@@ -19,10 +19,9 @@ import attrs
 import torch
 
 from specdec import Drafter, DraftProposal, hookimpl
-from specdec.draft_checkpoint import load_draft_vocab
+from specdec.draft_checkpoint import drafter_directory, load_draft_vocab
 from specdec.draft_runner import DraftInput, DraftRunner, draft_attention
-from specdec.errors import FieldError, ModelLoadError
-from specdec.models import EMBEDDED_NAME, resolve_model_dir
+from specdec.errors import FieldError
 from specdec.sampler import pick_draft_token
 from specdec.tree import DynamicTree, StaticTree
 
@@ -137,20 +136,14 @@ class EagleDrafter(Drafter):
 
     def __init__(self, config, target):
         super().__init__(config, target)
-        source = config.speculative_model
-        if source is None:
-            if target.name != EMBEDDED_NAME:
-                name = "eagle" if self.generation == 1 else "eagle3"
-                raise ModelLoadError(f"speculative_config.speculative_model: {name} needs a head trained for "
-                                     f"{target.name!r}; give a published EAGLE checkpoint directory, or train one "
-                                     f"with `specdec train {name} --model ...`")
-            source = str(SHIPPED_HEADS[self.generation])
         capture = getattr(config, "eagle3_layers_to_capture", None)
         for layer in capture or []:
             if not 0 <= layer < target.num_layers:
                 raise FieldError("speculative_config.eagle3_layers_to_capture",
                                  f"layer {layer} is not among the target's layers 0..{target.num_layers - 1}")
-        directory = resolve_model_dir(source)
+        name = "eagle" if self.generation == 1 else "eagle3"
+        directory = drafter_directory(config.speculative_model, target, SHIPPED_HEADS[self.generation], name,
+                                      "a head")
         head, self.layers = load_head(directory, self.generation, target, capture)
         parts = target.parts
         if head.embed_tokens is None:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from specdec import DraftProposal, hookimpl
-from specdec.errors import FieldError, ModelLoadError
+from specdec.draft_checkpoint import drafter_directory
+from specdec.errors import FieldError
 from specdec.last_state import LastStateDrafter
-from specdec.models import EMBEDDED_NAME, resolve_model_dir
 from specdec.sampler import pick_draft_token
 
 from .checkpoint import SHIPPED_HEADS, load_heads
@@ -28,14 +28,7 @@ class MedusaDrafter(LastStateDrafter):
 
     def __init__(self, config, target):
         super().__init__(config, target)
-        source = config.speculative_model
-        if source is None:
-            if target.name != EMBEDDED_NAME:
-                raise ModelLoadError(f"speculative_config.speculative_model: medusa needs heads trained for "
-                                     f"{target.name!r}; give a Medusa checkpoint directory, or train heads with "
-                                     "`specdec train medusa --model ...`")
-            source = str(SHIPPED_HEADS)
-        directory = resolve_model_dir(source)
+        directory = drafter_directory(config.speculative_model, target, SHIPPED_HEADS, "medusa", "heads")
         heads = load_heads(directory, target)
         usable = config.num_medusa_heads or len(heads)
         if usable > len(heads):

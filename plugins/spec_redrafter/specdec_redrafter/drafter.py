@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 
 from specdec import DraftProposal, hookimpl
-from specdec.errors import ModelLoadError
+from specdec.draft_checkpoint import drafter_directory
 from specdec.last_state import LastStateDrafter
-from specdec.models import EMBEDDED_NAME, resolve_model_dir
 from specdec.sampler import pick_draft_token
 from specdec.tree import prefix_trie
 
@@ -32,14 +31,7 @@ class ReDrafterDrafter(LastStateDrafter):
 
     def __init__(self, config, target):
         super().__init__(config, target)
-        source = config.speculative_model
-        if source is None:
-            if target.name != EMBEDDED_NAME:
-                raise ModelLoadError(f"speculative_config.speculative_model: redrafter needs a drafter trained for "
-                                     f"{target.name!r}; give a ReDrafter checkpoint directory, or train one with "
-                                     "`specdec train redrafter --model ...`")
-            source = str(SHIPPED_DRAFTER)
-        directory = resolve_model_dir(source)
+        directory = drafter_directory(config.speculative_model, target, SHIPPED_DRAFTER, "redrafter", "a drafter")
         self.model = load_drafter(directory, target).to(target.device, target.dtype).eval().requires_grad_(False)
         self.embed = target.parts.embed_tokens
         self.width = config.beam_width
