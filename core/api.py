@@ -82,7 +82,7 @@ class LLM:
         self.tokenizer = load_tokenizer(tok_path)
         model_obj = load_causal_lm(path, self.dtype, self.device)
         self.target = TargetModel(model_obj, self.tokenizer, model_display_name(config.model, path),
-                                  max_model_len=config.engine.max_model_len)
+                                  max_model_len=config.engine.max_model_len, path=path)
         hooks = self.drafter = None
         if spec is not None:
             self.drafter = registry.create_drafter(spec, self.target)

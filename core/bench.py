@@ -56,7 +56,7 @@ class CategoryResult:
                 "mean_draft_len": self.metrics.mean_draft_len,
                 "speculation_off_share": (self.metrics.num_steps_speculation_off / self.metrics.num_steps
                                           if self.metrics.num_steps else 0.0),
-                "drafter_faults": self.metrics.num_drafter_faults}
+                "drafter_faults": self.metrics.num_drafter_faults, "lossless": self.metrics.lossless}
 
 
 def method_config(base: SpecdecConfig, method: str) -> tuple[str, SpecdecConfig]:
@@ -138,6 +138,8 @@ def print_table(report: dict, file=sys.stdout) -> None:
     print(f"{'method':<28}{'category':<18}{'tok/s':>8}{'speedup':>9}{'TTFT ms':>9}{'TPOT ms':>9}{'acc.len':>8}"
           f"{'draft%':>8}{'k':>6}{'off%':>6}{'faults':>7}{'same':>7}  per-position acceptance", file=file)
     for method, per_cat in report["results"].items():
+        if not per_cat["all"].get("lossless", True):  # an opt-in lossy acceptance rule decided some tokens
+            method = f"{method} (LOSSY)"
         for cat in cats + ["all"]:
             r = per_cat.get(cat)
             if r is None:

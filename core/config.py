@@ -110,8 +110,9 @@ class SpeculativeConfig:
             raise FieldError(attribute.name, f"{value} nodes cannot hold a path of max_draft_len "
                                              f"{self.max_draft_len}; give at least {self.max_draft_len}")
 
-    def acceptance_rule(self):
-        """An opt-in lossy rule from :mod:`specdec.sampler.lossy`, or None for exact verification."""
+    def acceptance_rule(self, tokenizer=None):
+        """An opt-in lossy rule from :mod:`specdec.sampler.lossy`, or None for exact
+        verification (``tokenizer``: the target's, or None, for rules keyed on special tokens)."""
         return None
 
     def draft_len_for_batch(self, batch_size: int) -> int:

@@ -75,15 +75,19 @@ def read_config(directory: str | Path) -> dict:
         raise ModelLoadError(f"drafter {path}: not valid JSON ({exc})") from None
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors or torch file; a corrupt or partial file is named in the error."""
+def load_tensors(path: Path, prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors or torch file (only the names starting with ``prefix``, when
+    given: a safetensors file is then read selectively, so a drafter inside a large target
+    checkpoint costs only its own bytes); a corrupt or partial file is named in the error."""
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+            from safetensors import safe_open
 
-            tensors = load_file(str(path))
+            with safe_open(str(path), framework="pt") as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys() if prefix is None or k.startswith(prefix)}
         else:
             tensors = torch.load(path, map_location="cpu", weights_only=True)
+            tensors = {k: v for k, v in tensors.items() if prefix is None or k.startswith(prefix)}
     except Exception as exc:
         raise ModelLoadError(f"drafter weights {path}: cannot read them ({type(exc).__name__}: {exc}); the "
                              "file is corrupt or incomplete") from None

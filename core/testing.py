@@ -115,6 +115,74 @@ def prompt_file(directory: str | Path, prompts: list[str] | None = None) -> Path
     return path
 
 
+def train_briefly(method: str, directory: str | Path, data: str | Path | None = None,
+                  **trainer_options) -> tuple[Path, dict, list[dict]]:
+    """``specdec train METHOD`` for 10 CPU steps on the embedded model (the target's float32
+    answers of 16 tokens to :data:`TRAIN_PROMPTS`, or to ``data``); returns the output
+    directory, the run's report and its per-step history (loss and the method's metrics)."""
+    from .training import TrainOptions, train
+
+    directory = Path(directory)
+    data = data or prompt_file(directory)
+    out = directory / method
+    report = train(TrainOptions(method=method, data=str(data), out=str(out), max_new_tokens=16, batch_size=8,
+                                eval_prompts=1, gen_dtype="float32", device="cpu", max_steps=10, lr=1e-3,
+                                warmup_steps=2, trainer_options=trainer_options), progress=False)
+    history = torch.load(out / "checkpoint.pt", weights_only=False)["state"]["history"]
+    return out, report, history
+
+
+def check_rows_match_unrolled(train_step, serve_forward, feature_size: int, vocab_size: int = 128,
+                              length: int = 9, atol: float = 1e-4) -> None:
+    """A feature drafter's module (:mod:`specdec.feature_drafter`) drafts at inference what it
+    learnt in training: the draft runner's committed rows, two sibling tree nodes and a
+    grandchild give the states of :func:`specdec.training.unrolled_attention`'s unrolled
+    steps, and rows committed after the drafts were dropped continue as in training.
+
+    ``train_step(tokens [L], feature [1, L, F], positions [L], attend) -> [1, L, F]`` is one
+    training step; ``serve_forward`` the runner's module forward
+    (:meth:`specdec.feature_drafter.FeatureDrafter.draft_forward`'s signature).
+    """
+    from .draft_runner import DraftInput, DraftRunner
+    from .training import unrolled_attention
+
+    g = torch.Generator().manual_seed(1)
+    x, a, b, c = (torch.randint(0, vocab_size, (length,), generator=g) for _ in range(4))  # step 0; depths 1, 1, 2
+    feats = torch.randn(1, length, feature_size, generator=g)
+
+    def unrolled(tokens_per_step):
+        attend, next_step = unrolled_attention(torch.ones(1, length, dtype=torch.bool))
+        feature, outs = feats, []
+        for j, tokens in enumerate(tokens_per_step):
+            feature = train_step(tokens, feature, torch.arange(length) + j, attend)
+            next_step()
+            outs.append(feature[0])
+        return outs
+
+    with torch.no_grad():
+        step0, step1a, step2 = unrolled([x, a, c])
+        _, step1b = unrolled([x, b])
+        runner = DraftRunner.for_module(serve_forward, 16, 4, torch.float32, torch.device("cpu"),
+                                        feature=torch.zeros(1, feature_size))
+        seq = runner.sequence("r")
+        k = length - 3
+        out = runner.forward([DraftInput(seq, x[:k].tolist(), features={"feature": feats[0, :k]},
+                                         output_rows=list(range(k)))])[0]
+        close = functools.partial(torch.testing.assert_close, atol=atol, rtol=atol)
+        close(out, step0[:k], msg=lambda m: f"committed rows differ from training's step 0: {m}")
+        i = k - 1
+        lvl1 = runner.forward([DraftInput(seq, [int(a[i]), int(b[i])], parents=[-1, -1],
+                                          features={"feature": out[i:i + 1].expand(2, -1)}, output_rows=[0, 1])])[0]
+        close(lvl1[0], step1a[i], msg=lambda m: f"a depth-1 node differs from training's step 1: {m}")
+        close(lvl1[1], step1b[i], msg=lambda m: f"its sibling differs from training's step 1: {m}")
+        lvl2 = runner.forward([DraftInput(seq, [int(c[i])], parents=[0], features={"feature": lvl1[:1]})])[0]
+        close(lvl2[0], step2[i], msg=lambda m: f"a depth-2 node differs from training's step 2: {m}")
+        runner.drop_pending(seq)
+        more = runner.forward([DraftInput(seq, x[k:].tolist(), features={"feature": feats[0, k:]},
+                                          output_rows=list(range(length - k)))])[0]
+        close(more, step0[k:], msg=lambda m: f"rows committed after dropped drafts differ: {m}")
+
+
 def check_registration(name: str, distribution: str | None = None) -> DecodingType:
     """The decoding type is found through its entry point, with a sound config and documented hooks."""
     registry = get_registry()

@@ -100,7 +100,7 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 @pytest.fixture(scope="module")
 def bf16_ngram():
     return LLM(dtype="bfloat16", engine={"batch_invariant": True, "max_batch_size": 24},
-               speculative_config={"decoding_type": "ngram", "max_draft_len": 4})
+               speculative_config={"decoding_type": "ngram", "max_draft_len": 4, "adaptive": False})
 
 
 def answer(llm: LLM, prompts: list[str]) -> list[list[int]]:

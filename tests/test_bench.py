@@ -13,7 +13,9 @@ def specdec(*args):
 
 def test_bench_builtin_sets_table_json_and_plots(tmp_path):
     out = tmp_path / "report.json"
-    result = specdec("bench", "ngram", "--categories", "summarization", "chat", "--max-tokens", "24",
+    ngram_file = tmp_path / "ngram.yaml"  # drafting every step: acceptance must not depend on the machine's load
+    ngram_file.write_text("speculative_config: {decoding_type: ngram, adaptive: false}\n")
+    result = specdec("bench", str(ngram_file), "--categories", "summarization", "chat", "--max-tokens", "24",
                      "--dtype", "float32", "--json", str(out), "--plots", str(tmp_path / "plots"))
     assert result.returncode == 0, result.stderr
     assert "speedup" in result.stdout and "ngram" in result.stdout
@@ -102,3 +104,19 @@ def test_each_repetition_starts_from_fresh_drafters_warmed_up_outside_the_sets(m
     warmups = [p for p in prompts_seen if "ready?" in p]
     assert len(warmups) == 4 and not any(measured in w for w in warmups)
     assert report["results"]["ngram"]["chat"]["identical_to_plain"] == "2/2"
+
+
+def test_table_labels_methods_whose_output_a_lossy_rule_decided():
+    import io
+
+    from specdec.bench import CategoryResult, print_table
+
+    exact, lossy = CategoryResult(tokens=10, seconds=1.0), CategoryResult(tokens=12, seconds=1.0)
+    lossy.metrics.lossless = False
+    rows = {name: {"c": r.summary() | {"speedup_vs_plain": 1.0}, "all": r.summary() | {"speedup_vs_plain": 1.0}}
+            for name, r in (("plain", exact), ("mtp_relaxed", lossy))}
+    table = io.StringIO()
+    print_table({"categories": ["c"], "results": rows}, file=table)
+    lines = table.getvalue().splitlines()[1:]
+    assert [line.split()[0] for line in lines] == ["plain", "plain", "mtp_relaxed", "mtp_relaxed"]
+    assert [line.split()[1] == "(LOSSY)" for line in lines] == [False, False, True, True]

@@ -54,7 +54,7 @@ def test_plain_greedy_alone_and_in_a_mixed_length_batch(smol, smol_hf, reference
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_any_draft_gives_the_plain_greedy_tokens(smol_hf, references, tree):
     llm = LLM(dtype="float32", speculative_config={
-        "decoding_type": "user", "drafter": "helpers:OracleDrafter", "max_draft_len": 5,
+        "decoding_type": "user", "drafter": "helpers:OracleDrafter", "max_draft_len": 5, "adaptive": False,
         "options": {"tree": tree, "seed": 1}})
     llm.drafter.oracle.update({tuple(llm.encode(p)): references[p] for p in PROMPTS})
     outs = llm.generate(PROMPTS, GREEDY)
@@ -196,7 +196,8 @@ def test_metrics_names(smol):
 def test_engine_applies_an_opt_in_lossy_rule(tiny_models):
     from specdec.sampler.lossy import RelaxedAcceptance
 
-    spec = {"decoding_type": "user", "drafter": "helpers:OracleDrafter", "max_draft_len": 3, "options": {"seed": 4}}
+    spec = {"decoding_type": "user", "drafter": "helpers:OracleDrafter", "max_draft_len": 3, "adaptive": False,
+            "options": {"seed": 4}}
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     prompt = [[3, 4, 5, 6, 7]]
     exact = LLM(model=str(tiny_models["llama"]), dtype="float32", speculative_config=spec)
@@ -312,7 +313,8 @@ def test_stop_strings_end_speculative_output_at_the_same_token_as_plain_output(s
     params = SamplingParams(max_tokens=64, temperature=0.0, stop=["Thursday", "7,"])
     plain = smol.chat(STOP_PROMPTS, params)
     assert [o.finish_reason for o in plain] == ["stop", "stop"]
-    got = LLM(dtype="float32", speculative_config={"decoding_type": method}).chat(STOP_PROMPTS, params)
+    got = LLM(dtype="float32", speculative_config={"decoding_type": method, "adaptive": False}).chat(STOP_PROMPTS,
+                                                                                                   params)
     for a, b in zip(plain, got):
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, "stop")
     assert sum(o.metrics.num_accepted_tokens for o in got) > 0 or method in ("ngram", "lookahead")
@@ -421,7 +423,8 @@ def test_repetition_penalty_with_speculation_equals_plain(smol, method):
     prompt = "Repeat this list twice: apple, pear, plum, fig, apple, pear, plum, fig."
     params = SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.2)
     plain = smol.generate(prompt, params)[0]
-    got = LLM(dtype="float32", speculative_config={"decoding_type": method}).generate(prompt, params)[0]
+    got = LLM(dtype="float32", speculative_config={"decoding_type": method, "adaptive": False}).generate(prompt,
+                                                                                                        params)[0]
     assert got.token_ids == plain.token_ids
     assert got.metrics.num_accepted_tokens > 0
 

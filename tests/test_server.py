@@ -15,7 +15,8 @@ PROMPTS = [f"Here is a list of {i + 2} fruits:\n1." for i in range(16)]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server("dtype: float32\nspeculative_config: {decoding_type: ngram, max_draft_len: 6}\n"
+    with running_server("dtype: float32\n"
+                        "speculative_config: {decoding_type: ngram, max_draft_len: 6, adaptive: false}\n"
                         "engine: {max_batch_size: 16}\nsampling: {temperature: 0, max_tokens: 24}\n",
                         tmp_path_factory.mktemp("srv")) as base:
         yield base

@@ -95,7 +95,7 @@ class Engine:
         cache = PagedKVCache(target.layer_shapes, num_blocks, config.block_size, target.dtype, target.device)
         self.kv = KVCacheManager(cache, num_blocks, config.block_size, reuse)
         self.scheduler = Scheduler(config, self.kv)
-        self.acceptance_rule = spec.acceptance_rule() if spec is not None else None
+        self.acceptance_rule = spec.acceptance_rule(target.tokenizer) if spec is not None else None
         self.planner = (DraftPlanner(spec.nodes_for_depth, spec.probe_interval)
                         if spec is not None and spec.is_adaptive else None)
         # the torch reference pads a batch's sequences to the widest; the paged kernel does not

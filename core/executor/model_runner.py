@@ -126,13 +126,15 @@ class TargetModel:
     Attributes a drafter may use: ``parts`` (embeddings, final norm, LM head, layers: see
     :class:`TargetParts`), ``tokenizer`` (or None), ``hf_config``, ``num_layers``,
     ``vocab_size``, ``hidden_size``, ``device``, ``dtype``, ``eos_token_ids``,
-    ``max_model_len``, ``name``; ``model`` is the transformers module itself.
+    ``max_model_len``, ``name``, ``path`` (the directory its weights came from, or None);
+    ``model`` is the transformers module itself.
     """
 
-    def __init__(self, model, tokenizer, name: str, max_model_len: int | None = None):
+    def __init__(self, model, tokenizer, name: str, max_model_len: int | None = None, path=None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
+        self.path = path
         self.hf_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = self.hf_config.num_hidden_layers
         self.vocab_size = model.get_output_embeddings().weight.shape[0]

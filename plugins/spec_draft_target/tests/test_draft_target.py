@@ -47,7 +47,7 @@ def test_greedy_lossless_with_layer_skip_on_the_embedded_model():
     params = SamplingParams(max_tokens=24, temperature=0.0)
     plain = LLM(dtype="float32").chat(prompts, params)
     spec = LLM(dtype="float32", speculative_config={"decoding_type": "draft_target", "draft_layers": 20,
-                                                    "max_draft_len": 3})
+                                                    "max_draft_len": 3, "adaptive": False})
     got = spec.chat(prompts, params)
     assert got[0].token_ids == plain[0].token_ids and len(got[0].token_ids) == 24
     assert got[0].metrics.num_draft_tokens > 0
@@ -88,7 +88,8 @@ def test_shipped_draft_is_the_default_on_the_embedded_model_lossless_and_accepte
                [{"role": "user", "content": "A box holds 12 eggs. How many eggs are in 7 boxes? Think step by step."}]]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     plain = LLM(dtype="float32").chat(prompts, params)
-    spec = LLM(dtype="float32", speculative_config={"decoding_type": "draft_target", "max_draft_len": 3})
+    spec = LLM(dtype="float32", speculative_config={"decoding_type": "draft_target", "max_draft_len": 3,
+                                                    "adaptive": False})
     assert spec.drafter.draft_vocab is not None and (SHIPPED_DRAFT / "config.json").exists()
     got = spec.chat(prompts, params)
     for a, b in zip(plain, got):

@@ -19,7 +19,7 @@ embedding follows the head's config (the target's, for heads trained here).
 
 Attention is pluggable: at inference it is the core's paged attention over the draft
 runner's cache (:func:`specdec.draft_runner.draft_attention`); in training it is
-:func:`unrolled_attention`, which lets the unrolled steps of training-time test see what
+:func:`specdec.training.unrolled_attention`, which lets the unrolled steps of training-time test see what
 the same draft steps see at inference.
 """
 
@@ -33,7 +33,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-#: ``attend(module, q [heads, T, d], k [kv, T, d], v [kv, T, d]) -> [T, heads, d]``
+#: ``attend(module, q [..., heads, T, d], k [..., kv, T, d], v [..., kv, T, d]) -> [..., T, heads, d]``
 Attend = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -218,40 +218,3 @@ class Eagle3Head(EagleHead):
 
     def logits(self, hidden):
         return self.lm_head(self.norm(hidden))
-
-
-def unrolled_attention(valid: torch.Tensor) -> tuple[Attend, Callable[[], None]]:
-    """Training-time attention for unrolled draft steps over a batch ``[B, L]``.
-
-    Step 0 is causal over the batch's rows (``valid``: ``[B, L]`` bool, padding False).
-    At step ``j`` the row of position ``i`` stands for the draft's ``j``-th token after
-    position ``i``: like at inference it sees step 0's rows up to ``i`` and its own rows of
-    steps ``1..j``, nothing else. Returns ``(attend, next_step)``: call ``next_step()``
-    between steps; ``attend`` keeps the keys of every step so far.
-    """
-    keys: list[tuple[torch.Tensor, torch.Tensor]] = []
-    L = valid.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()
-    mask0 = causal[None] & valid[:, None, :]  # [B, L, L]
-
-    def attend(module, q, k, v):
-        # q [B, h, L, d]; k, v [B, kv, L, d]
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scale = q.shape[-1] ** -0.5
-        current = keys + [(k, v)]
-        k0, v0 = current[0]
-        s0 = (q @ k0.transpose(-1, -2)) * scale
-        s0 = s0.masked_fill(~mask0[:, None], float("-inf"))
-        diag = [((q * kj).sum(-1) * scale)[..., None] for kj, _ in current[1:]]
-        probs = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)
-        out = probs[..., :L] @ v0
-        for j, (_, vj) in enumerate(current[1:]):
-            out = out + probs[..., L + j:L + j + 1] * vj
-        attend.pending = (k, v)
-        return out.transpose(1, 2)  # [B, L, h, d]
-
-    def next_step():
-        keys.append(attend.pending)
-
-    return attend, next_step

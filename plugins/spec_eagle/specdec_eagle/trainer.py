@@ -1,13 +1,12 @@
 """`specdec train eagle|eagle3`: a head learns the frozen target's own continuations.
 
-Both generations train with *training-time test*: ``ttt_steps`` draft steps are unrolled
-over every position at once, step ``j`` reading the features step ``j - 1`` produced
-(step 0 reads the target's) and attending as the same step does at inference
-(:func:`~specdec_eagle.modules.unrolled_attention`), with loss weights
-``step_decay ** j``. The loss is the cross-entropy against the target's own next-token
-distribution (soft targets from its stored final features), restricted to a vocabulary of
-the answers' most frequent tokens: EAGLE-3's draft vocabulary (``draft_vocab_size``),
-and for EAGLE-1, whose head is the target's, the loss vocabulary (``loss_vocab_size``).
+Both generations train with the core's *training-time test*
+(:func:`specdec.training.training_time_test`): ``ttt_steps`` draft steps unrolled over
+every position at once, with loss weights ``step_decay ** j``. The loss is the
+cross-entropy against the target's own next-token distribution (soft targets from its
+stored final features), restricted to a vocabulary of the answers' most frequent tokens:
+EAGLE-3's draft vocabulary (``draft_vocab_size``), and for EAGLE-1, whose head is the
+target's, the loss vocabulary (``loss_vocab_size``).
 EAGLE-1 also regresses the target's next feature (smooth L1, ``feature_weight``), as its
 reference does. The target's features come from the run's feature store, computed once.
 """
@@ -15,21 +14,12 @@ reference does. The target's features come from the run's feature store, compute
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specdec.draft_checkpoint import target_signature
-from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary
+from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary, training_time_test
 
 from .checkpoint import default_capture_layers, head_config, save_head
-from .modules import Eagle1Head, Eagle3Head, unrolled_attention
-
-
-def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
-    """``out[:, i] = x[:, i + k]``, zero (False) past the end."""
-    out = torch.zeros_like(x)
-    if k < x.shape[1]:
-        out[:, :x.shape[1] - k] = x[:, k:]
-    return out
+from .modules import Eagle1Head, Eagle3Head
 
 
 class EagleTrainer(MethodTrainer):
@@ -63,35 +53,13 @@ class EagleTrainer(MethodTrainer):
         return hidden @ self.parts.lm_head.weight[self.vocab].T
 
     def loss(self, batch: TrainBatch):
-        feats = batch.features
-        valid = batch.attention_mask.bool()
-        length = valid.shape[1]
         with torch.no_grad():
             emb = self.head.embed_tokens(batch.input_ids).float()
             teacher_w = self.parts.lm_head.weight[self.vocab].float()
-        feature = self.head.fuse([feats[layer] for layer in self.layers])
-        attend, next_step = unrolled_attention(valid)
-        positions = torch.arange(length, device=valid.device)
-        decay = float(self.opts["step_decay"])
-        total, metrics = 0.0, {}
-        for j in range(int(self.opts["ttt_steps"])):
-            hidden = self.head.step(_shift(emb, j + 1), feature, positions + j, attend)
-            next_step()
-            # Row i of step j predicts the token at i + j + 2: the target's distribution at i + j + 1.
-            mask = _shift(batch.loss_mask, j + 1)
-            if not mask.any():
-                break
-            goal = _shift(feats[-1], j + 1)[mask]
-            with torch.no_grad():
-                teacher = torch.softmax(goal @ teacher_w.T, dim=-1)
-            draft = self._draft_logits(hidden[mask]).float()
-            step_loss = -(teacher * torch.log_softmax(draft, dim=-1)).sum(-1).mean()
-            if self.generation == 1:
-                step_loss = step_loss + float(self.opts["feature_weight"]) * F.smooth_l1_loss(hidden[mask], goal)
-            total = total + decay ** j * step_loss
-            metrics[f"acc{j}"] = float((draft.argmax(-1) == teacher.argmax(-1)).float().mean())
-            feature = hidden
-        return total, metrics
+        feature = self.head.fuse([batch.features[layer] for layer in self.layers])
+        feature_weight = float(self.opts["feature_weight"]) if self.generation == 1 else 0.0
+        return training_time_test(self.head.step, emb, feature, batch, int(self.opts["ttt_steps"]),
+                                  float(self.opts["step_decay"]), self._draft_logits, teacher_w, feature_weight)
 
     def save(self, directory):
         meta = {"method": self.name, "target": target_signature(self.target),

@@ -62,7 +62,7 @@ class MedusaConfig(SpeculativeConfig):
     def node_budget(self) -> int:
         return self.max_total_draft_tokens or self.static_tree().num_nodes
 
-    def acceptance_rule(self):
+    def acceptance_rule(self, tokenizer=None):
         """Typical acceptance when switched on: faster, but NOT lossless."""
         return TypicalAcceptance(self.posterior_threshold, self.posterior_alpha) if self.use_typical_acceptance \
             else None

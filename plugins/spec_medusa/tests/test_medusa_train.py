@@ -4,20 +4,13 @@ head), learn, and draft losslessly."""
 
 import json
 
-import torch
 from safetensors import safe_open
 
 from specdec import LLM, SamplingParams, testing
-from specdec.training import TrainOptions, train
 
 
 def test_trained_heads_are_saved_in_the_medusa1_layout_and_draft_losslessly(tmp_path):
-    data = testing.prompt_file(tmp_path)
-    out = tmp_path / "medusa"
-    report = train(TrainOptions(method="medusa", data=str(data), out=str(out), max_new_tokens=16, batch_size=8,
-                                eval_prompts=1, gen_dtype="float32", device="cpu", max_steps=10, lr=1e-3,
-                                warmup_steps=2, trainer_options={"num_heads": 2, "loss_vocab_size": 512}),
-                   progress=False)
+    out, report, history = testing.train_briefly("medusa", tmp_path, num_heads=2, loss_vocab_size=512)
     config = json.loads((out / "config.json").read_text())
     assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 1 and config["shares_lm_head"]
     with safe_open(str(out / "medusa_lm_head.safetensors"), "pt") as f:
@@ -25,7 +18,6 @@ def test_trained_heads_are_saved_in_the_medusa1_layout_and_draft_losslessly(tmp_
     assert keys == {"0.0.linear.weight": [576, 576], "0.0.linear.bias": [576],
                     "1.0.linear.weight": [576, 576], "1.0.linear.bias": [576]}
     assert (out / "draft_vocab.safetensors").exists()
-    history = torch.load(out / "checkpoint.pt", weights_only=False)["state"]["history"]
     assert report["steps"] == len(history) == 10 and history[-1]["loss"] < history[0]["loss"]
     assert {"acc0", "acc1"} <= set(history[-1])
     prompts = [[{"role": "user", "content": "Give me a short list of fruits."}]]

@@ -115,7 +115,7 @@ def test_greedy_lossless_on_embedded_model(plain, options):
                [{"role": "user", "content": "Fix the bug:\n\ndef add(a, b):\n    return a - b\n"}]]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     want = plain.chat(prompts, params)
-    spec = LLM(dtype="float32", speculative_config={"decoding_type": "ngram", **options})
+    spec = LLM(dtype="float32", speculative_config={"decoding_type": "ngram", "adaptive": False, **options})
     got = spec.chat(prompts, params)
     for a, b in zip(want, got):
         assert b.token_ids == a.token_ids

@@ -4,21 +4,14 @@ LM head), learns, loads back through the published-layout loader, and drafts los
 
 import json
 
-import torch
 from safetensors import safe_open
 
 from specdec import LLM, SamplingParams, testing
-from specdec.training import TrainOptions, train
 
 
 def test_trained_drafter_is_saved_in_the_reference_layout_and_drafts_losslessly(tmp_path):
-    data = testing.prompt_file(tmp_path)
-    out = tmp_path / "redrafter"
-    report = train(TrainOptions(method="redrafter", data=str(data), out=str(out), max_new_tokens=16, batch_size=8,
-                                eval_prompts=1, gen_dtype="float32", device="cpu", max_steps=10, lr=1e-3,
-                                warmup_steps=2, trainer_options={"num_draft_layers": 1, "depth": 3,
-                                                                 "loss_vocab_size": 512}),
-                   progress=False)
+    out, report, history = testing.train_briefly("redrafter", tmp_path, num_draft_layers=1, depth=3,
+                                                 loss_vocab_size=512)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "recurrent_drafting_drafter" and config["rnn"] and config["shares_lm_head"]
     assert (config["hidden_size"], config["exit_dim"], config["num_draft_layers"]) == (576, 576, 1)
@@ -27,7 +20,6 @@ def test_trained_drafter_is_saved_in_the_reference_layout_and_drafts_losslessly(
     assert keys == {"input_proj.weight": [576, 1152], "input_proj.bias": [576],
                     "lm_head.0.linear.weight": [576, 576], "lm_head.0.linear.bias": [576],
                     "rnn_u.weight": [576, 576], "rnn_u.bias": [576], "rnn_w.weight": [576, 576]}
-    history = torch.load(out / "checkpoint.pt", weights_only=False)["state"]["history"]
     assert report["steps"] == len(history) == 10 and history[-1]["loss"] < history[0]["loss"]
     assert {"acc1", "acc2", "acc3"} <= set(history[-1])
     prompts = [[{"role": "user", "content": "Give me a short list of fruits."}]]

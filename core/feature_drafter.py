@@ -1,0 +1,183 @@
+"""Drafters whose module reads the target's features row by row: EAGLE's head, MTP's module.
+
+The draft sequence of a request has one row per target token whose feature is known: row
+``i`` reads the target's (fused) feature at position ``i`` and the token at ``i + 1`` and
+sits at position ``i``. After each verification the target's features of the root and the
+accepted path arrive (``on_draft_verified``); they wait in the request's queue and are
+committed in the first draft forward of the next step, whose last output drafts depth 1.
+Deeper nodes read their parent's output as feature and are *pending* in the draft runner:
+only their descendants see them, and they are dropped when the step's drafting is done,
+since their features are the draft's own guesses, not the target's.
+
+A subclass builds its module, calls :meth:`FeatureDrafter.start_runner`, and implements
+:meth:`~FeatureDrafter.draft_forward` and :meth:`~FeatureDrafter.head_logits`; it may
+override :meth:`~FeatureDrafter.fuse` and :meth:`~FeatureDrafter.expansion` (chains by
+default). Drafting is one batched forward per depth for all requests together.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import attrs
+import torch
+
+from .draft_runner import DraftInput, DraftRunner
+from .drafting import Drafter, DraftProposal
+from .hookspecs import hookimpl
+from .tree_expansion import ChainExpansion, Expansion
+
+log = logging.getLogger(__name__)
+
+
+@attrs.define
+class FeatureQueue:
+    """Target rows not yet in the draft cache: next tokens and fused features."""
+
+    tokens: list[int] = attrs.Factory(list)
+    features: torch.Tensor | None = None
+    off: bool = False  # the draft cache was lost (pool full): no more drafts for this request
+
+
+class FeatureDrafter(Drafter):
+    #: the key of the request's :class:`FeatureQueue` in ``request.drafter_state``
+    state_key: ClassVar[str]
+    #: target layers whose hidden states :meth:`fuse` reads (``-1``: the final normalised state)
+    layers: list[int] = [-1]
+    #: draft-vocabulary index -> target token id of :meth:`head_logits` columns (None: same ids)
+    draft_to_target: torch.Tensor | None = None
+
+    def start_runner(self, feature_size: int, num_blocks: int, block_size: int = 16) -> None:
+        """Build the draft runner over :meth:`draft_forward` (probing its K/V shapes)."""
+        target = self.target
+        self.num_blocks = num_blocks
+        self.runner = DraftRunner.for_module(self.draft_forward, num_blocks, block_size, target.dtype, target.device,
+                                             feature=torch.zeros(1, feature_size, dtype=target.dtype,
+                                                                 device=target.device))
+
+    def draft_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, feature: torch.Tensor
+                      ) -> torch.Tensor:
+        """The module over packed rows (``input_ids``, ``positions`` ``[T]``, ``feature``
+        ``[T, F]``), attending through ``meta``: ``[T, F]`` outputs, each the feature of
+        its row's children and the input of :meth:`head_logits`."""
+        raise NotImplementedError
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits of outputs ``[n, F]`` over the draft vocabulary."""
+        raise NotImplementedError
+
+    def fuse(self, target_hidden: list[torch.Tensor]) -> torch.Tensor:
+        """The feature of rows computed by the target, from its hidden states of :attr:`layers`."""
+        return target_hidden[0]
+
+    def expansion(self, request, depth: int, nodes: int) -> Expansion:
+        """How this request's draft grows this step (at most ``depth`` levels, ``nodes`` nodes)."""
+        return ChainExpansion(min(depth, nodes), request)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 draft logits over the target's vocabulary (-inf outside the draft vocabulary)."""
+        logits = self.head_logits(hidden).float()
+        if self.draft_to_target is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.target.vocab_size), float("-inf"))
+        full[:, self.draft_to_target] = logits
+        return full
+
+    @hookimpl
+    def target_hidden_layers(self, target):
+        return self.layers
+
+    @hookimpl
+    def on_draft_verified(self, results):
+        results = [r for r in results if r.hidden_states]
+        if not results:
+            return
+        fused = self.fuse([torch.cat([r.hidden_states[layer] for r in results]) for layer in self.layers])
+        first = 0
+        for r in results:
+            n = next(iter(r.hidden_states.values())).shape[0]
+            features, first = fused[first:first + n], first + n
+            queue: FeatureQueue = r.request.drafter_state.setdefault(self.state_key, FeatureQueue())
+            if queue.off:
+                continue
+            seq = self.runner.sequence(r.request.request_id)
+            have = seq.num_computed + len(queue.tokens)
+            if r.start < have:  # recomputed from an earlier position (preemption): roll back
+                if r.start <= seq.num_computed:
+                    self.runner.truncate(seq, r.start)
+                    queue.tokens, queue.features = [], None
+                else:
+                    keep = r.start - seq.num_computed
+                    queue.tokens, queue.features = queue.tokens[:keep], queue.features[:keep]
+            elif r.start > have:
+                raise RuntimeError(f"{type(self).__name__}: the draft cache of {r.request.request_id} is missing "
+                                   f"positions {have}..{r.start - 1}")
+            queue.tokens += r.request.token_ids[r.start + 1:r.start + 1 + n]
+            queue.features = features if queue.features is None else torch.cat([queue.features, features])
+
+    @hookimpl
+    def prepare_draft_tokens(self, requests, draft_lens, max_nodes):
+        proposals: list[DraftProposal | None] = [None] * len(requests)
+        active, inputs = [], []
+        for i, req in enumerate(requests):
+            queue: FeatureQueue | None = req.drafter_state.get(self.state_key)
+            if queue is None or queue.off or not queue.tokens:
+                continue
+            seq = self.runner.sequence(req.request_id)
+            self.runner.drop_pending(seq)
+            active.append(i)
+            inputs.append(DraftInput(seq, queue.tokens, features={"feature": queue.features}))
+        if not inputs:
+            return proposals
+        outs = self.runner.forward(inputs)
+        for i in active:
+            queue = requests[i].drafter_state[self.state_key]
+            queue.tokens, queue.features = [], None
+            if outs is None:
+                queue.off = True
+        if outs is None:
+            log.warning("%s: draft KV cache full (draft_kv_cache_blocks=%d): %d requests continue without drafts",
+                        type(self).__name__, self.num_blocks, len(active))
+            return proposals
+        seq_of = {i: inp.seq for i, inp in zip(active, inputs)}
+        grow = {i: self.expansion(requests[i], draft_lens[i], max_nodes[i]) for i in active}
+        frontier = {i: ([-1], out) for i, out in zip(active, outs)}  # nodes, their outputs [n, F]
+        pending = {i: {} for i in active}  # node -> its pending index in the runner
+        while frontier:
+            order = list(frontier)
+            logits = self.draft_logits(torch.cat([frontier[i][1] for i in order]))
+            step_inputs, next_nodes, row = [], {}, 0
+            for i in order:
+                nodes, hidden = frontier[i]
+                exp = grow[i]
+                new = exp.grow(nodes, logits[row:row + len(nodes)])
+                out_of = dict(zip(nodes, hidden))
+                row += len(nodes)
+                if not new:
+                    continue
+                seq = seq_of[i]
+                base = len(seq.pending_parents)
+                parents = [pending[i].get(exp.parent(n), -1) for n in new]
+                for k, n in enumerate(new):
+                    pending[i][n] = base + k
+                step_inputs.append(DraftInput(seq, [exp.token(n) for n in new], parents=parents,
+                                              features={"feature": torch.stack([out_of[exp.parent(n)] for n in new])},
+                                              output_rows=list(range(len(new)))))
+                next_nodes[i] = new
+            frontier = {}
+            if step_inputs:
+                outs = self.runner.forward(step_inputs)
+                if outs is None:  # pool full: propose what is drafted so far
+                    for i in next_nodes:
+                        requests[i].drafter_state[self.state_key].off = True
+                    break
+                frontier = {i: (next_nodes[i], out) for i, out in zip(next_nodes, outs)}
+        for i in active:
+            proposals[i] = grow[i].proposal()
+            self.runner.drop_pending(seq_of[i])
+        return proposals
+
+    @hookimpl
+    def on_request_finished(self, request):
+        self.runner.release(request.request_id)

@@ -1,0 +1,45 @@
+"""MTP drafting: the module's rows in the core's feature drafter (see
+:mod:`specdec.feature_drafter`), a chain of ``max_draft_len`` tokens from one module reused
+autoregressively, each step reading the ``h'`` of the step before."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.draft_checkpoint import load_draft_vocab
+from specdec.executor.model_runner import ATTENTION_NAME
+from specdec.feature_drafter import FeatureDrafter
+
+from .checkpoint import load_module, module_directory
+from .model import build_module
+
+
+class MTPDrafter(FeatureDrafter):
+    state_key = "mtp"
+    layers = [-1]
+
+    def __init__(self, config, target):
+        super().__init__(config, target)
+        self.directory = module_directory(config.speculative_model, target)
+        parts = target.parts
+        module = build_module(parts, ATTENTION_NAME)
+        load_module(self.directory, target, module)
+        self.module = module.to(device=target.device, dtype=target.dtype).eval()
+        self.embed = parts.embed_tokens
+        self.rotary = parts.rotary_emb
+        head = module.shared_head.head if module.shared_head.head is not None else parts.lm_head
+        weight = head.weight.detach()
+        vocab = load_draft_vocab(self.directory, target.vocab_size)
+        if vocab is not None:  # the tokens it was trained on: fewer head rows per draft step
+            self.draft_to_target = vocab.to(target.device)
+            weight = weight[self.draft_to_target]
+        self._head_weight = weight
+        self.start_runner(target.hidden_size, config.draft_kv_cache_blocks)
+
+    def draft_forward(self, input_ids, positions, meta, feature):
+        emb = self.embed(input_ids)[None]
+        rope = self.rotary(emb, positions[None]) if self.rotary is not None else None
+        return self.module(emb, feature[None], rope, positions[None], specdec=meta)[0]
+
+    def head_logits(self, hidden):
+        return torch.nn.functional.linear(hidden, self._head_weight)
