@@ -145,9 +145,9 @@ class PluginRegistry:
 
     def _add(self, dtype: DecodingType, plugin: str, dist: str, version: str) -> None:
         if not (isinstance(dtype.config_class, type) and issubclass(dtype.config_class, SpeculativeConfig)
-                and attrs.has(dtype.config_class)):
+                and dtype.config_class is not SpeculativeConfig and attrs.has(dtype.config_class)):
             raise PluginError(f"decoding type {dtype.name!r}: config_class must be an attrs subclass of "
-                              "specdec.config.SpeculativeConfig")
+                              "specdec.config.SpeculativeConfig (the method's own, even with no options)")
         for spelling in (dtype.name, *dtype.aliases):
             clash = self._find(spelling)
             if clash is not None:

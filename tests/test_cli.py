@@ -57,5 +57,3 @@ def test_errors_are_messages_not_tracebacks(tmp_path):
     assert "Traceback" not in result.stderr
     result = specdec("generate", "-d", "nosuch", "hi")
     assert result.returncode == 2 and "unknown decoding type 'nosuch'" in result.stderr
-    result = specdec("generate", "-d", "mtp", "hi")
-    assert result.returncode == 2 and "not implemented yet" in result.stderr

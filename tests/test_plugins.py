@@ -57,9 +57,44 @@ def test_each_plugin_registers_through_its_entry_point(name):
     testing.check_registration(name, distribution=METHODS[name])
 
 
-def test_not_implemented_method_fails_clearly():
-    with pytest.raises(PluginError, match="'mtp' .*specdec-plugin-mtp.* not implemented yet"):
-        get_registry().create_drafter(get_registry().types["mtp"].config_class(decoding_type="mtp"), None)
+def _site_with_plugin(tmp_path, module: str, source: str, entry: str, dist: str) -> dict:
+    """A directory holding a plugin module and its distribution's entry point: the
+    environment that puts it on the path of a ``specdec`` process."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{dist.replace('-', '_')}-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(f"[specdec.plugins]\n{entry} = {module}\n")
+    return {"PYTHONPATH": str(site)}
+
+
+def test_registered_but_not_implemented_method_fails_clearly(tmp_path):
+    """A plugin may register a method before its drafter exists: choosing it is a message
+    naming the plugin and the methods that work, never a fallback to plain decoding."""
+    env = _site_with_plugin(tmp_path, "planned_specdec_plugin", textwrap.dedent("""
+        import attrs
+
+        from specdec import DecodingType, hookimpl
+        from specdec.config import SpeculativeConfig
+
+        @attrs.frozen(kw_only=True)
+        class PlannedConfig(SpeculativeConfig):
+            pass
+
+        @hookimpl
+        def register_decoding_types(register):
+            register(DecodingType(name="planned", config_class=PlannedConfig))
+        """), "planned", "specdec-plugin-planned")
+    table = run_specdec("plugins", env=env)
+    assert any(line.startswith("planned") and "not implemented yet" in line for line in table.stdout.splitlines())
+    result = run_specdec("generate", "-d", "planned", "hi", env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "decoding type 'planned' (specdec-plugin-planned 0.3) is registered but not implemented yet; choose " \
+           "another decoding_type (" in result.stderr
+    offered = result.stderr.split("choose another decoding_type (")[1].split(")")[0].split(", ")
+    assert {"ngram", "mtp", "eagle3"} <= set(offered) and "planned" not in offered
 
 
 def test_missing_plugin_names_the_package_to_install(monkeypatch):
@@ -77,14 +112,8 @@ def test_missing_plugin_names_the_package_to_install(monkeypatch):
 
 
 def test_broken_plugin_is_reported_with_its_distribution_and_others_keep_working(tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "broken_specdec_plugin.py").write_text("import not_a_module_that_exists\n")
-    dist = site / "specdec_plugin_broken-0.3.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: specdec-plugin-broken\nVersion: 0.3\n")
-    (dist / "entry_points.txt").write_text("[specdec.plugins]\nbroken = broken_specdec_plugin\n")
-    env = {"PYTHONPATH": str(site)}
+    env = _site_with_plugin(tmp_path, "broken_specdec_plugin", "import not_a_module_that_exists\n", "broken",
+                            "specdec-plugin-broken")
     result = run_specdec("plugins", "--json", env=env)
     assert result.returncode == 0
     data = json.loads(result.stdout)
