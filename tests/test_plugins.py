@@ -193,3 +193,19 @@ def test_user_decoding_type_takes_a_class_or_an_instance_in_python(tmp_path):
     assert Counting.calls > 0
     with pytest.raises(ConfigError, match="speculative_config.drafter: expected"):
         LLM(model=model, speculative_config={"decoding_type": "user", "drafter": 42})
+
+
+def test_plugin_registering_the_base_config_class_is_reported(tmp_path):
+    env = _site_with_plugin(tmp_path, "bare_specdec_plugin", textwrap.dedent("""
+        from specdec import DecodingType, hookimpl
+        from specdec.config import SpeculativeConfig
+
+        @hookimpl
+        def register_decoding_types(register):
+            register(DecodingType(name="bare", config_class=SpeculativeConfig))
+        """), "bare", "specdec-plugin-bare")
+    data = json.loads(run_specdec("plugins", "--json", env=env).stdout)
+    assert data["failed"] == [{"plugin": "bare", "distribution": "specdec-plugin-bare",
+                               "error": "PluginError: decoding type 'bare': config_class must be an attrs subclass "
+                                        "of specdec.config.SpeculativeConfig (the method's own, even with no "
+                                        "options)"}]
