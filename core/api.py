@@ -14,7 +14,8 @@ from .errors import ModelLoadError, RequestError
 from .executor.engine import Engine
 from .executor.metrics import RequestMetrics
 from .executor.model_runner import TargetModel
-from .models import load_causal_lm, load_tokenizer, model_display_name, resolve_model_dir
+from .models import gguf_file, load_causal_lm, load_tokenizer, model_display_name, resolve_model_dir
+from .quantization import quantize_target
 from .plugins import drafter_plugin_manager, get_registry
 from .sampling_params import SamplingParams
 
@@ -80,7 +81,11 @@ class LLM:
         path = resolve_model_dir(config.model)
         tok_path = resolve_model_dir(config.tokenizer) if config.tokenizer else path
         self.tokenizer = load_tokenizer(tok_path)
-        model_obj = load_causal_lm(path, self.dtype, self.device)
+        if config.engine.quantization:
+            model_obj = quantize_target(path, config.engine.quantization, self.dtype, self.device,
+                                        gguf_file(config.model))
+        else:
+            model_obj = load_causal_lm(path, self.dtype, self.device)
         self.target = TargetModel(model_obj, self.tokenizer, model_display_name(config.model, path),
                                   max_model_len=config.engine.max_model_len, path=path)
         hooks = self.drafter = None

@@ -3,7 +3,9 @@
 Every method runs the same prompts (built-in sets by category, or the user's JSONL) at the
 same settings; plain decoding always runs too, so each speedup is a ratio taken in the
 same run. Optionally Hugging Face ``generate()`` runs as well (plain, prompt lookup, and a
-layer-skip self-draft as assistant model). Results: a terminal table, JSON, PNG plots.
+layer-skip self-draft as assistant model), and llama.cpp on the GGUF file the target came
+from (plain, and its prompt-lookup drafting). Every system's token ids are compared with
+specdec plain decoding's ("same"). Results: a terminal table, JSON, PNG plots.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import yaml
 from .api import LLM
 from .config import SpecdecConfig, config_from_dict, load_config, unstructure
 from .executor.metrics import RequestMetrics
+from .models import gguf_file
 from .prompt_sets import PROMPTS, load_jsonl, messages
 from .sampling_params import SamplingParams
 
@@ -119,6 +122,7 @@ def hf_systems(llm: LLM, max_tokens: int, assistant_layers: int) -> dict:
 
     def system(**extra):
         def run(conversations: list, res: CategoryResult) -> None:
+            res.outputs = res.outputs if res.outputs is not None else []
             for conv in conversations:
                 ids = torch.tensor([llm.apply_chat_template(conv)], device=device)
                 started = time.perf_counter()
@@ -127,10 +131,50 @@ def hf_systems(llm: LLM, max_tokens: int, assistant_layers: int) -> dict:
                                       pad_token_id=llm.tokenizer.eos_token_id, **extra)
                 res.seconds += time.perf_counter() - started
                 res.tokens += out.shape[1] - ids.shape[1]
+                res.outputs.append(out[0, ids.shape[1]:].tolist())
         return run
 
     return {"HF generate": system(), "HF prompt lookup": system(prompt_lookup_num_tokens=10),
             f"HF assistant ({assistant_layers} layers)": system(assistant_model=assistant)}
+
+
+LLAMA_CPP_INSTALL = "pip install 'specdec[llama-cpp]' (llama-cpp-python; it compiles llama.cpp, a few minutes)"
+
+
+def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int) -> dict:
+    """llama.cpp (``llama-cpp-python``) on ``gguf``: plain greedy decoding and its
+    prompt-lookup drafting (10 tokens), one request at a time, as many threads as torch."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        raise ValueError(f"--llama-cpp needs llama-cpp-python: {LLAMA_CPP_INSTALL}") from None
+    threads = torch.get_num_threads()
+    eos = llm.target.eos_token_ids
+
+    def system(**extra):
+        model = Llama(model_path=str(gguf), n_ctx=min(llm.target.max_model_len, 4096), n_threads=threads,
+                      n_threads_batch=threads, verbose=False, **extra)
+
+        def run(conversations: list, res: CategoryResult) -> None:
+            res.outputs = res.outputs if res.outputs is not None else []
+            for conv in conversations:
+                ids = llm.apply_chat_template(conv)
+                out: list[int] = []
+                started = time.perf_counter()
+                for token in model.generate(ids, top_k=1, temp=0.0, reset=True):
+                    if token in eos:
+                        break
+                    out.append(token)
+                    if len(out) == max_tokens:
+                        break
+                res.seconds += time.perf_counter() - started
+                res.tokens += len(out)
+                res.outputs.append(out)
+        return run
+
+    return {"llama.cpp": system(), "llama.cpp prompt lookup": system(draft_model=LlamaPromptLookupDecoding(
+        num_pred_tokens=10))}
 
 
 def print_table(report: dict, file=sys.stdout) -> None:
@@ -208,7 +252,7 @@ def _with_all(per_cat: dict[str, CategoryResult]) -> dict[str, CategoryResult]:
 
 def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, categories: list[str] | None,
               batch_size: int, temperature: float, max_tokens: int, repetitions: int, compare_hf: bool,
-              assistant_layers: int = 6) -> dict:
+              assistant_layers: int = 6, compare_llama_cpp: bool = False) -> dict:
     prompt_sets = load_jsonl(dataset) if dataset else {c: messages(c) for c in PROMPTS}
     if categories:
         unknown = sorted(set(categories) - set(prompt_sets))
@@ -216,6 +260,10 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             raise ValueError(f"unknown categories {unknown}; available: {sorted(prompt_sets)}")
         prompt_sets = {c: prompt_sets[c] for c in categories}
     prompt_sets = {c: concurrent_requests(convs, batch_size) for c, convs in prompt_sets.items()}
+    gguf = gguf_file(base.model)
+    if compare_llama_cpp and gguf is None:
+        raise ValueError("--llama-cpp runs the GGUF file the target comes from: use the embedded model or "
+                         "--model FILE.gguf")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
     names = ["plain"] + [m for m in methods if m != "plain"]
     configs = dict(method_config(base, m) for m in names)
@@ -231,6 +279,8 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
 
     llms = fresh_llms()
     systems = hf_systems(llms["plain"], max_tokens, assistant_layers) if compare_hf else {}
+    if compare_llama_cpp:
+        systems.update(llama_cpp_systems(llms["plain"], gguf, max_tokens))
     labels = list(llms) + list(systems)
     raw: dict[str, dict[str, CategoryResult]] = {name: {c: CategoryResult() for c in prompt_sets} for name in labels}
     progress = tqdm(total=repetitions * len(prompt_sets) * len(labels), desc="bench", unit="run", file=sys.stderr)
@@ -262,12 +312,12 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
         results[name] = {}
         for cat, r in per_cat.items():
             s = r.summary()
-            base = raw["plain"][cat].tokens_per_s
-            s["speedup_vs_plain"] = s["tokens_per_s"] / base if base else 0.0
+            plain_rate = raw["plain"][cat].tokens_per_s
+            s["speedup_vs_plain"] = s["tokens_per_s"] / plain_rate if plain_rate else 0.0
             results[name][cat] = s
     plain = llms["plain"]
     return {"model": plain.target.name, "dtype": str(plain.dtype).replace("torch.", ""), "device": str(plain.device),
-            "threads": torch.get_num_threads(), "batch_size": batch_size,
+            "quantization": base.engine.quantization, "threads": torch.get_num_threads(), "batch_size": batch_size,
             "temperature": temperature, "max_tokens": max_tokens, "repetitions": repetitions,
             "categories": list(prompt_sets), "results": results}
 

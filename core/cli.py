@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import SpecdecConfig, config_from_dict, load_config, merge_overrides, unstructure
+from .config import QUANTIZATIONS, SpecdecConfig, config_from_dict, load_config, merge_overrides, unstructure
 from .errors import SpecdecError
 from .plugins import get_registry
 
@@ -27,6 +27,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-size", type=int)
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="weight-only quantized target on CPU (a GGUF's own 4-bit blocks are used as they are)")
     g.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                    help="any config field, e.g. --set speculative_config.max_matching_ngram_size=4")
     s = p.add_argument_group("sampling")
@@ -43,7 +45,7 @@ def _resolve_config(args) -> SpecdecConfig:
     overrides = {
         "model": args.model, "dtype": args.dtype, "device": args.device,
         "engine.max_batch_size": args.max_batch_size, "engine.max_model_len": args.max_model_len,
-        "engine.num_threads": args.threads,
+        "engine.num_threads": args.threads, "engine.quantization": args.quantization,
         "sampling.max_tokens": args.max_tokens, "sampling.temperature": args.temperature,
         "sampling.top_k": args.top_k, "sampling.top_p": args.top_p, "sampling.seed": args.seed,
     }
@@ -179,11 +181,12 @@ def cmd_bench(args) -> int:
     try:
         report = run_bench(_resolve_config(args), args.methods, args.dataset, args.categories, args.batch_size,
                            args.temperature if args.temperature is not None else 0.0, args.max_tokens or 128,
-                           args.repetitions, args.hf, args.assistant_layers)
+                           args.repetitions, args.hf, args.assistant_layers, args.llama_cpp)
     except (ValueError, OSError) as exc:
         raise SpecdecError(str(exc)) from None
-    print(f"# {report['model']}, {report['dtype']} on {report['device']}, {report['threads']} threads, batch "
-          f"{report['batch_size']}, temperature {report['temperature']}, max {report['max_tokens']} tokens")
+    quantized = f" ({report['quantization']} weights)" if report["quantization"] else ""
+    print(f"# {report['model']}, {report['dtype']}{quantized} on {report['device']}, {report['threads']} threads, "
+          f"batch {report['batch_size']}, temperature {report['temperature']}, max {report['max_tokens']} tokens")
     print_table(report)
     if args.json:
         write_json(report, args.json)
@@ -269,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetitions", type=int, default=1)
     p.add_argument("--hf", action="store_true", help="also run HF generate(): plain, prompt lookup, assistant")
     p.add_argument("--assistant-layers", type=int, default=6)
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also run llama.cpp on the target's GGUF file: plain and prompt lookup (needs the "
+                        "llama-cpp extra)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--plots", help="write PNG plots into this directory")
     _add_model_options(p)

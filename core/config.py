@@ -141,6 +141,10 @@ class SpeculativeConfig:
         return depth, self.nodes_for_depth(depth)
 
 
+#: ``engine.quantization`` values (:mod:`specdec.quantization`).
+QUANTIZATIONS = ("int8", "int4")
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     """Engine options: batching, KV cache size, context length.
@@ -160,6 +164,10 @@ class EngineConfig:
             bit-identical between plain and speculative decoding, alone and batched, in
             bfloat16 too (:mod:`specdec.kernels.invariant`). Off by default: it costs 8-15%
             of plain decoding's throughput on CPU and more for speculative steps (BENCHMARKS.md).
+        quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels
+            (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
+            None keeps the model's weights in ``dtype``. The quantized model is the target:
+            speculative output equals its own plain output.
     """
 
     max_batch_size: int = attrs.field(default=8, validator=in_range(1, 4096))
@@ -172,6 +180,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = attrs.field(default=None, validator=in_range(1, None))
     batch_invariant: bool = False
+    quantization: str | None = attrs.field(default=None, validator=attrs.validators.optional(one_of(*QUANTIZATIONS)))
 
 
 @attrs.frozen(kw_only=True)

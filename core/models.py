@@ -75,6 +75,14 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file ``model`` comes from (the embedded default included), or None."""
+    if model is None:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve_model_dir(model: str | None) -> Path:
     """Where the HF-format files of ``model`` are (converting GGUF and the embedded default)."""
     if model is None:

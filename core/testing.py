@@ -222,7 +222,8 @@ def check_config_round_trip(options: dict) -> SpeculativeConfig:
 
 
 def check_greedy_lossless(options: dict, model: str | Path | None = None, prompts: list | None = None,
-                          max_tokens: int = 24, dtype: str = "float32", min_accepted: int = 1):
+                          max_tokens: int = 24, dtype: str = "float32", min_accepted: int = 1,
+                          engine: dict | None = None):
     """Greedy output with the drafter equals plain greedy output, token for token, and the
     drafter really took part: it proposed draft tokens, and at least ``min_accepted`` of
     them were accepted over all prompts (a drafter that never drafts, or always fails,
@@ -234,7 +235,8 @@ def check_greedy_lossless(options: dict, model: str | Path | None = None, prompt
     ``model`` defaults to a tiny random Llama; prompts are token-id lists by default so a
     model without a tokenizer works. The drafter drafts every step unless ``options`` say
     ``adaptive: true``: the adaptive planner's choices follow measured step times, which
-    would make the check depend on the machine's load. Returns the speculative outputs.
+    would make the check depend on the machine's load. ``engine`` options (say
+    ``{"quantization": "int4"}``) apply to both runs. Returns the speculative outputs.
     """
     from .api import LLM
 
@@ -244,8 +246,9 @@ def check_greedy_lossless(options: dict, model: str | Path | None = None, prompt
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, 100, (n,), generator=g).tolist() * 2 for n in (5, 9, 14)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    plain = LLM(model=str(model) if model else None, dtype=dtype).generate(prompts, params)
-    spec = LLM(model=str(model) if model else None, dtype=dtype, speculative_config=options).generate(prompts, params)
+    name = str(model) if model else None
+    plain = LLM(model=name, dtype=dtype, engine=engine).generate(prompts, params)
+    spec = LLM(model=name, dtype=dtype, engine=engine, speculative_config=options).generate(prompts, params)
     for i, (a, b) in enumerate(zip(plain, spec)):
         assert a.token_ids == b.token_ids, (f"prompt {i}: speculative greedy output differs from plain greedy output:"
                                             f"\nplain {a.token_ids}\nspec  {b.token_ids}")
@@ -279,25 +282,33 @@ def chi_square_p_value(counts: torch.Tensor, exact: torch.Tensor, n: int) -> flo
 
 
 def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int], n: int = 1500,
-                            params: SamplingParams | None = None, position: int = 1, min_p_value: float = 1e-3):
+                            params: SamplingParams | None = None, position: int = 1, min_p_value: float = 1e-3,
+                            engine: dict | None = None):
     """Sampled output follows the target's distribution with the drafter in the loop.
 
     The empirical distribution of output token ``position`` (the second token, the first
     one verified against drafts, by default) over ``n`` seeds is compared (chi-square) with
     its exact distribution, computed from the stock model by summing over every earlier
     output (keep ``top_k`` small). The drafter drafts every step unless ``options`` say
-    ``adaptive: true`` (see :func:`check_greedy_lossless`). Returns the p-value and the
-    number of accepted draft tokens (a test should check drafts were accepted at all).
+    ``adaptive: true`` (see :func:`check_greedy_lossless`). With ``engine`` options that
+    quantize the target, the exact distribution is the quantized model's. Returns the
+    p-value and the number of accepted draft tokens (a test should check drafts were
+    accepted at all).
     """
     options = {"adaptive": False, **options}
     from transformers import AutoModelForCausalLM
 
     from .api import LLM
+    from .quantization import quantize_target
     from .sampler import probs_from_logits
 
     params = params or SamplingParams(temperature=1.0, top_k=5)
     params = attrs.evolve(params, max_tokens=position + 2, ignore_eos=True)
-    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    mode = (engine or {}).get("quantization")
+    if mode:
+        ref = quantize_target(Path(model), mode, torch.float32, torch.device("cpu"))
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
     @torch.no_grad()
     def marginal(prefix: list[int], steps: int) -> torch.Tensor:
@@ -307,7 +318,7 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
         return sum(probs[t] * marginal(prefix + [t], steps - 1) for t in torch.nonzero(probs).flatten().tolist())
 
     exact = marginal(list(prompt), position)
-    llm = LLM(model=str(model), dtype="float32", speculative_config=options)
+    llm = LLM(model=str(model), dtype="float32", engine=engine, speculative_config=options)
     counts, accepted = torch.zeros_like(exact), 0
     for seed in range(n):
         out = llm.generate([prompt], attrs.evolve(params, seed=seed))[0]

@@ -120,3 +120,38 @@ def test_table_labels_methods_whose_output_a_lossy_rule_decided():
     lines = table.getvalue().splitlines()[1:]
     assert [line.split()[0] for line in lines] == ["plain", "plain", "mtp_relaxed", "mtp_relaxed"]
     assert [line.split()[1] == "(LOSSY)" for line in lines] == [False, False, True, True]
+
+
+def test_bench_llama_cpp_beside_an_int4_target(tmp_path):
+    """llama.cpp runs the GGUF file the embedded model comes from, in the same interleaved run."""
+    out = tmp_path / "r.json"
+    result = specdec("bench", "plain", "--llama-cpp", "--quantization", "int4", "--categories", "chat",
+                     "--max-tokens", "16", "--dtype", "float32", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "(int4 weights)" in result.stdout and "llama.cpp prompt lookup" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["quantization"] == "int4"
+    for name in ("llama.cpp", "llama.cpp prompt lookup"):
+        chat = report["results"][name]["chat"]
+        assert 0 < chat["tokens"] <= 16 and chat["tokens_per_s"] > 0
+        assert chat["identical_to_plain"] in ("0/1", "1/1")
+    # greedy either way: llama.cpp's own prompt lookup emits llama.cpp's plain text
+    assert report["results"]["llama.cpp"]["chat"]["tokens"] == report["results"]["llama.cpp prompt lookup"]["chat"][
+        "tokens"]
+
+
+def test_llama_cpp_errors_name_the_fix(tmp_path, monkeypatch, tiny_models):
+    from specdec import LLM
+    from specdec.bench import llama_cpp_systems
+    from specdec.models import embedded_gguf_path
+
+    result = specdec("bench", "plain", "--llama-cpp", "--model", str(tiny_models["llama"]), "--max-tokens", "4")
+    assert result.returncode == 2 and "GGUF file the target comes from" in result.stderr
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the extra were not installed
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32")
+    try:
+        llama_cpp_systems(llm, embedded_gguf_path(), 4)
+    except ValueError as exc:
+        assert "pip install 'specdec[llama-cpp]'" in str(exc)
+    else:
+        raise AssertionError("no error without llama-cpp-python")

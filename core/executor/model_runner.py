@@ -109,7 +109,7 @@ def target_parts(model) -> TargetParts:
     return TargetParts(embed_tokens=model.get_input_embeddings(), final_norm=norm, lm_head=head,
                        decoder_layers=layers, rotary_emb=getattr(base, "rotary_emb", None), hf_config=config,
                        hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
-                       vocab_size=head.weight.shape[0])
+                       vocab_size=head.out_features)
 
 
 def _decoder_parts(model) -> tuple[torch.nn.ModuleList, torch.nn.Module | None]:
@@ -137,7 +137,7 @@ class TargetModel:
         self.path = path
         self.hf_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = self.hf_config.num_hidden_layers
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().out_features
         self.hidden_size = self.hf_config.hidden_size
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype

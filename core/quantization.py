@@ -1,0 +1,292 @@
+"""Weight-only int8 and int4 targets on torch's own packed CPU kernels.
+
+``engine.quantization: int8`` stores every linear layer of the target as int8 with one scale
+per output row (``aten._weight_int8pack_mm``); ``int4`` stores them as 4-bit codes in groups
+of 32 input columns with a scale and a minimum per group (``aten._weight_int4pack_mm_for_cpu``,
+the layout of GGUF's Q4_1: ``w = q * d + m``). In both modes the LM head is int8 per row (GGUF
+files keep their output matrix 8-bit too), and a plain ``nn.Embedding`` becomes int8 per row,
+widened only for the rows looked up; a tied embedding and head share one int8 matrix.
+
+Both kernels compute each output row from its own input row only (checked for 1..69 rows in
+float32 and bfloat16: :func:`rows_are_independent`), so batch-invariant numerics and
+lossless verification need nothing more: the quantized model *is* the target, and
+speculative output equals that target's plain output.
+
+A GGUF target's Q4_0 / Q4_1 linear blocks become int4 layers as they are (:mod:`.gguf_blocks`):
+no second rounding, the same 4-bit weights llama.cpp runs. Everything else is quantized here
+from the weights transformers loaded (round to nearest).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: input columns per int4 group (GGUF's Q4_0/Q4_1 block size).
+GROUP_SIZE = 32
+
+
+class Int8Linear(nn.Module):
+    """``y = (x @ q.T) * scale (+ bias)``: int8 codes ``q [out, in]``, one scale per row.
+
+    ``weight`` gives the dequantized matrix (for drafters that read the head's rows); the
+    forward never builds it.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scale", scale.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
+        codes, scale = quantize_rows_int8(weight)
+        return cls(codes, scale, bias, dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.codes.to(self.scale.dtype) * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.scale.dtype).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+class Int4Linear(nn.Module):
+    """``w = q * scale + minimum`` per group of :data:`GROUP_SIZE` input columns, ``q`` in 0..15,
+    packed for torch's CPU int4 kernel (whose zero point is ``minimum + 8 * scale``)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype):
+        """``codes`` ``[out, in]`` integers 0..15; ``scale``, ``minimum`` ``[out, in / 32]``."""
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        scale_zero = torch.stack([scale.float(), minimum.float() + 8 * scale.float()], -1).transpose(0, 1)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zero", scale_zero.contiguous().to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        codes, scale, minimum = quantize_groups_int4(weight)
+        return cls(codes, scale, minimum, bias, dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=torch.float32)
+        return self._product(eye, self.scale_zero.float()).T.to(self.scale_zero.dtype)
+
+    def _product(self, rows: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, scale_zero)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.scale_zero.dtype).contiguous()
+        y = self._product(rows, self.scale_zero)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP_SIZE}"
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table stored as int8 rows with one scale each; looked-up rows are widened."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, padding_idx: int | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = codes.shape
+        self.padding_idx = padding_idx
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale.to(dtype))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.codes.to(self.scale.dtype) * self.scale[:, None]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.codes[ids].to(self.scale.dtype) * self.scale[ids][..., None]
+
+
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest int8 per row: ``(codes [out, in] int8, scale [out] float32)``."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_groups_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest 4-bit per group of 32 columns (Q4_1's scheme):
+    ``(codes [out, in] 0..15, scale [out, in/32], minimum [out, in/32])``."""
+    out_features, in_features = weight.shape
+    w = weight.detach().float().view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    minimum, maximum = w.amin(-1), w.amax(-1)
+    scale = ((maximum - minimum) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round((w - minimum[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.view(out_features, in_features), scale, minimum
+
+
+def check_supported(mode: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a clear error where the packed kernels do not exist."""
+    from .errors import ConfigError
+
+    if device.type != "cpu":
+        raise ConfigError(f"engine.quantization: {mode} uses torch's packed CPU kernels and is supported on "
+                          f"device: cpu only (asked for {device.type}); leave it unset on {device.type}")
+    if dtype == torch.float16:
+        raise ConfigError(f"engine.quantization: {mode} runs with dtype bfloat16 or float32, not float16")
+
+
+def rows_are_independent(module: nn.Module, in_features: int, dtype: torch.dtype, max_rows: int = 69) -> bool:
+    """Whether every output row of ``module`` equals that row computed alone, for 1..max_rows rows."""
+    g = torch.Generator().manual_seed(0)
+    for n in range(2, max_rows + 1):
+        x = torch.randn(n, in_features, generator=g).to(dtype)
+        together = module(x)
+        alone = torch.cat([module(x[i:i + 1]) for i in range(n)])
+        if not torch.equal(together, alone):
+            return False
+    return True
+
+
+def quantize_target(path: Path, mode: str, dtype: torch.dtype, device: torch.device, gguf: Path | None = None):
+    """Load the transformers model in ``path`` quantized; a GGUF source's Q4_0/Q4_1 linear
+    blocks become its int4 layers as they are.
+
+    Where the safetensors files hold every parameter under the model's own names, the
+    model is built without weights and each layer is read and quantized in turn, so the
+    full-precision model never sits in memory (peak memory is the quantized model's);
+    otherwise it is loaded in ``dtype`` first.
+    """
+    from .gguf_blocks import int4_layers
+    from .models import load_causal_lm
+
+    check_supported(mode, device, dtype)
+    model, read = _empty_model(path, dtype)
+    if model is None:
+        model, read = load_causal_lm(path, dtype, device), None
+    blocks = int4_layers(gguf, model.config, dtype) if mode == "int4" and gguf is not None else {}
+    quantize_model(model, mode, dtype, blocks, read)
+    return model.eval()
+
+
+def _empty_model(path: Path, dtype: torch.dtype):
+    """``(model without weights, read(tensor) -> its weights)``, or ``(None, None)`` when the
+    files' tensor names are not the model's own (renamed or fused at load by transformers)."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    handles = {}
+    for file in sorted(path.glob("*.safetensors")):
+        handle = safe_open(str(file), "pt")
+        handles.update(dict.fromkeys(handle.keys(), handle))
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    names = {id(p): n for n, p in model.named_parameters()}
+    if not handles or not set(names.values()) <= handles.keys():
+        return None, None
+    if (path / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+
+    def read(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_meta:
+            return tensor
+        name = names[id(tensor)]
+        return handles[name].get_tensor(name)
+
+    return model, read
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict | None = None,
+                   read=None) -> dict:
+    """Replace the model's linear layers and plain embeddings in place; return counts.
+
+    ``blocks`` maps module names to ready int4 layers (from a GGUF file's own blocks); the
+    others are quantized from their weights (``read(parameter)`` gives the values of a
+    parameter not loaded yet). Linear layers whose input width is not a multiple of
+    :data:`GROUP_SIZE` get int8 under ``int4``. Parameters left (norms, ...) are loaded
+    in ``dtype``.
+    """
+    blocks = blocks or {}
+    read = read or (lambda tensor: tensor)
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    counts = {"int4": 0, "int8": 0, "from_file": 0, "embedding": 0}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        bias = None if module.bias is None else read(module.bias)
+        if name in blocks:
+            new = blocks[name]
+            if bias is not None:
+                new.register_buffer("bias", bias.to(dtype))
+            counts["from_file"] += 1
+        elif mode == "int4" and module is not head and module.in_features % GROUP_SIZE == 0:
+            new = Int4Linear.from_weight(read(module.weight), bias, dtype)
+        else:
+            new = Int8Linear.from_weight(read(module.weight), bias, dtype)
+        counts["int4" if isinstance(new, Int4Linear) else "int8"] += 1
+        _set_module(model, name, new)
+    if type(embed) is nn.Embedding:
+        new_head = model.get_output_embeddings()
+        if tied and isinstance(new_head, Int8Linear):
+            codes, scale = new_head.codes, new_head.scale
+        else:
+            codes, scale = quantize_rows_int8(read(embed.weight))
+        model.set_input_embeddings(Int8Embedding(codes, scale, dtype, embed.padding_idx))
+        counts["embedding"] = 1
+    elif embed is not None:
+        log.info("quantization: %s kept in %s (not a plain nn.Embedding)", type(embed).__name__, dtype)
+    for name, param in list(model.named_parameters()):
+        if param.is_meta:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            module._parameters[attr] = nn.Parameter(read(param).to(dtype), requires_grad=False)
+    _mark_untied(model)
+    log.info("quantization %s: %d int4 and %d int8 linear layers (%d from the file's own blocks), "
+             "%d embedding int8", mode, counts["int4"], counts["int8"], counts["from_file"], counts["embedding"])
+    return counts
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def _mark_untied(model: nn.Module) -> None:
+    """The quantized head and embedding share codes, not an ``nn.Parameter``: keep transformers
+    from re-tying them (``tie_weights`` would put a float parameter back)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config.tie_word_embeddings = False
+    if hasattr(model, "_tied_weights_keys"):
+        model._tied_weights_keys = None
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer the model holds (shared tensors counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t is None or t.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(t.untyped_storage().data_ptr())
+        total += t.untyped_storage().nbytes()
+    return total

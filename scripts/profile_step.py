@@ -1,0 +1,115 @@
+"""Where a target step's time goes: a decode step (1 new token) and a 16-token verification
+step (a chain of 16 new tokens), each after a context of ``--context`` tokens, batch 1.
+
+    .venv/bin/python scripts/profile_step.py [--dtype bfloat16] [--quantization int4] [--threads 2]
+
+Prints the wall time per step (median of ``--steps`` forwards through specdec's model
+runner and paged KV cache, the engine's own path), the bytes of weights one forward
+streams and the time that takes at ``--bandwidth`` GB/s (the floor of a decode step), then
+the torch profiler's split of one step: matrix products (linear layers, int4/int8 packed
+kernels), attention, other tensor operations, and what is left: Python and dispatch
+between the operations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdec import LLM
+from specdec.executor.model_runner import ForwardMetadata
+from specdec.kernels import AttentionLayout, SequenceSlice
+from specdec.kvcache import PagedKVCache
+from specdec.quantization import weight_bytes
+
+MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",
+          "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
+ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
+             "aten::softmax", "aten::_softmax", "aten::index_copy_", "aten::index_select")
+
+
+def step_runner(llm: LLM, context: int, new: int, block_size: int = 16):
+    """A function running one forward of ``new`` tokens after ``context`` cached ones."""
+    target = llm.target
+    blocks = (context + new) // block_size + 2
+    cache = PagedKVCache(target.layer_shapes, blocks, block_size, target.dtype, target.device)
+    table = list(range(blocks))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (context + new,), generator=g)
+
+    def layout(start: int, count: int) -> ForwardMetadata:
+        positions = torch.arange(start, start + count)
+        return ForwardMetadata(cache=cache, layout=AttentionLayout(
+            [SequenceSlice(block_table=table, start=start, positions=positions)], block_size, target.device))
+
+    target.forward(ids[:context], torch.arange(context), layout(0, context), torch.tensor([context - 1]))
+    rows = torch.arange(new)  # every new token's logits, as verification needs
+
+    def run():
+        target.forward(ids[context:], torch.arange(context, context + new), layout(context, new), rows)
+
+    return run
+
+
+def time_step(run, steps: int) -> float:
+    run()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def profile_split(run) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        run()
+        wall = time.perf_counter() - started
+    split = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
+    for event in prof.key_averages():
+        if not event.key.startswith("aten::"):
+            continue
+        kind = "matmul" if event.key in MATMUL else "attention" if event.key in ATTENTION else "other ops"
+        split[kind] += event.self_cpu_time_total / 1e6
+    split["python and dispatch"] = max(wall - sum(split.values()), 0.0)
+    return {"profiled wall": wall, **split}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", choices=["int8", "int4"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--bandwidth", type=float, default=12.0, help="memory bandwidth in GB/s for the floor")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(dtype=args.dtype, engine={"quantization": args.quantization, "kv_cache_blocks": 1})
+    model = llm.target.model
+    tensors = lambda m: [t for t in list(m.parameters()) + list(m.buffers()) if t is not None]  # noqa: E731
+    head = {t.data_ptr() for t in tensors(model.get_output_embeddings())}
+    # A forward reads a few rows of an embedding table, not all of it (unless the head shares it).
+    streamed = weight_bytes(model) - sum(t.numel() * t.element_size() for t in tensors(model.get_input_embeddings())
+                                         if t.data_ptr() not in head)
+    floor = streamed / (args.bandwidth * 1e9)
+    print(f"# {llm.target.name}, {args.dtype}{', ' + args.quantization if args.quantization else ''}, "
+          f"{args.threads} threads, context {args.context}: weights streamed per forward "
+          f"{streamed / 2**20:.0f} MiB, {floor * 1000:.1f} ms at {args.bandwidth:g} GB/s")
+    for label, new in (("decode (1 token)", 1), ("verify (16 tokens)", 16)):
+        run = step_runner(llm, args.context, new)
+        wall = time_step(run, args.steps)
+        split = profile_split(run)
+        parts = ", ".join(f"{k} {v * 1000:.1f}" for k, v in split.items())
+        print(f"{label:<20} {wall * 1000:6.1f} ms/step ({wall / floor:.2f}x the floor); profiled ms: {parts}")
+
+
+if __name__ == "__main__":
+    main()
