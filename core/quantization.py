@@ -31,19 +31,33 @@ log = logging.getLogger(__name__)
 GROUP_SIZE = 32
 
 
-class Int8Linear(nn.Module):
-    """``y = (x @ q.T) * scale (+ bias)``: int8 codes ``q [out, in]``, one scale per row.
+class PackedLinear(nn.Module):
+    """A linear layer whose product is one packed-kernel call over its input rows (2-D, in
+    the dtype of its scales). ``weight`` gives the dequantized matrix, for drafters that
+    read a head's rows; the forward never builds it."""
 
-    ``weight`` gives the dequantized matrix (for drafters that read the head's rows); the
-    forward never builds it.
-    """
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x.reshape(-1, self.in_features).to(self.dtype).contiguous())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(PackedLinear):
+    """``y = (x @ q.T) * scale (+ bias)``: int8 codes ``q [out, in]``, one scale per row."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__()
-        self.out_features, self.in_features = codes.shape
+        super().__init__(*codes.shape, bias, dtype)
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scale", scale.to(dtype))
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
@@ -52,33 +66,27 @@ class Int8Linear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.codes.to(self.scale.dtype) * self.scale[:, None]
+        return self.codes.to(self.dtype) * self.scale[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(self.scale.dtype).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(PackedLinear):
     """``w = q * scale + minimum`` per group of :data:`GROUP_SIZE` input columns, ``q`` in 0..15,
     packed for torch's CPU int4 kernel (whose zero point is ``minimum + 8 * scale``)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype):
         """``codes`` ``[out, in]`` integers 0..15; ``scale``, ``minimum`` ``[out, in / 32]``."""
-        super().__init__()
-        self.out_features, self.in_features = codes.shape
+        super().__init__(*codes.shape, bias, dtype)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         scale_zero = torch.stack([scale.float(), minimum.float() + 8 * scale.float()], -1).transpose(0, 1)
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero.contiguous().to(dtype))
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
@@ -88,17 +96,11 @@ class Int4Linear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=torch.float32)
-        return self._product(eye, self.scale_zero.float()).T.to(self.scale_zero.dtype)
+        scale_zero = self.scale_zero.float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, scale_zero).T.to(self.dtype)
 
-    def _product(self, rows: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, scale_zero)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(self.scale_zero.dtype).contiguous()
-        y = self._product(rows, self.scale_zero)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scale_zero)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP_SIZE}"
