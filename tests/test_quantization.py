@@ -126,3 +126,21 @@ def test_unsupported_quantization_is_a_clear_error():
         check_supported("int4", torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ConfigError, match="bfloat16 or float32, not float16"):
         LLM(dtype="float16", engine={"quantization": "int8"})
+
+
+def test_cli_quantization_flag_and_yaml(tmp_path):
+    import subprocess
+    import sys
+
+    def specdec(*args):
+        return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, timeout=600)
+
+    out = specdec("generate", "--quantization", "int8", "--dtype", "float32", "-n", "6", "--set",
+                  "sampling.temperature=0", "The capital of France is")
+    assert out.returncode == 0 and "Paris" in out.stdout, out.stderr
+    config = tmp_path / "q.yaml"
+    config.write_text("engine: {quantization: int5}\n")
+    out = specdec("config", "check", str(config))
+    assert out.returncode == 2 and "engine.quantization: must be one of 'int8', 'int4'" in out.stderr
+    out = specdec("generate", "--quantization", "int2", "x")
+    assert out.returncode == 2 and "invalid choice: 'int2'" in out.stderr
