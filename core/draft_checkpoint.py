@@ -154,3 +154,16 @@ def load_draft_vocab(directory: Path, vocab_size: int) -> torch.Tensor | None:
     if ids.numel() == 0 or int(ids.max()) >= vocab_size or int(ids.min()) < 0:
         raise ModelLoadError(f"{path}: draft vocabulary ids must lie in 0..{vocab_size - 1}")
     return ids
+
+
+def restricted_head(weight: torch.Tensor, directory: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rows, draft_to_target)``: an LM head's rows over the drafting vocabulary saved in
+    ``directory`` (the tokens a drafter was trained on: the other rows cost time every draft
+    step and are rarely right) and that vocabulary's target ids; the whole head and None
+    where the directory has no vocabulary."""
+    vocab = load_draft_vocab(directory, vocab_size)
+    weight = weight.detach()
+    if vocab is None:
+        return weight, None
+    vocab = vocab.to(weight.device)
+    return weight[vocab], vocab

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .draft_checkpoint import load_draft_vocab
+from .draft_checkpoint import restricted_head
 from .drafting import Drafter
 from .hookspecs import hookimpl
 
@@ -32,12 +32,8 @@ class LastStateDrafter(Drafter):
     def share_target_head(self, directory: Path) -> None:
         """Read logits through the target's LM head, over the drafting vocabulary saved in
         ``directory`` (``draft_vocab.safetensors``; all tokens without one)."""
-        weight = self.target.parts.lm_head.weight.detach()
-        self.draft_to_target = load_draft_vocab(directory, self.target.vocab_size)
-        if self.draft_to_target is not None:
-            self.draft_to_target = self.draft_to_target.to(self.target.device)
-            weight = weight[self.draft_to_target]
-        self._head_weight = weight
+        self._head_weight, self.draft_to_target = restricted_head(self.target.parts.lm_head.weight, directory,
+                                                                  self.target.vocab_size)
 
     def target_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the drafting vocabulary of states ``[..., hidden]`` (after

@@ -42,3 +42,16 @@ def test_a_scale_without_its_matrix_is_named(tmp_path):
     path = _saved({"w": torch.zeros(4, 4), "w" + INT8_SCALE: torch.ones(4)}, tmp_path / "bad.safetensors")
     with pytest.raises(ModelLoadError, match=r"bad.safetensors: w.int8_scale scales no int8 tensor w"):
         load_tensors(path)
+
+
+def test_restricted_head_takes_the_rows_of_the_drafting_vocabulary(tmp_path):
+    from specdec.draft_checkpoint import restricted_head, save_draft_vocab
+
+    weight = torch.randn(50, 8)
+    rows, vocab = restricted_head(weight, tmp_path, 50)
+    assert vocab is None and torch.equal(rows, weight)
+    save_draft_vocab(tmp_path, torch.tensor([7, 3, 49]))
+    rows, vocab = restricted_head(weight, tmp_path, 50)
+    assert vocab.tolist() == [7, 3, 49] and torch.equal(rows, weight[[7, 3, 49]])
+    with pytest.raises(ModelLoadError, match=r"ids must lie in 0..39"):
+        restricted_head(weight[:40], tmp_path, 40)

@@ -4,7 +4,7 @@ EAGLE-2 dynamic tree."""
 
 from __future__ import annotations
 
-from specdec.draft_checkpoint import drafter_directory, load_draft_vocab
+from specdec.draft_checkpoint import drafter_directory, restricted_head
 from specdec.draft_runner import draft_attention
 from specdec.errors import FieldError
 from specdec.feature_drafter import FeatureDrafter
@@ -34,9 +34,9 @@ class EagleDrafter(FeatureDrafter):
             head.embed_tokens = parts.embed_tokens
         if self.generation == 1:
             head.lm_head = parts.lm_head
-            vocab = load_draft_vocab(directory, target.vocab_size)  # the tokens it was trained on
+            rows, vocab = restricted_head(parts.lm_head.weight, directory, target.vocab_size)
             if vocab is not None:
-                head.restrict_vocab(vocab)
+                head.restrict_vocab(rows, vocab)
         self.head = head.to_serving(target.device, target.dtype).eval()
         self.draft_to_target = head.draft_to_target
         self.tree = StaticTree.from_choices(config.eagle_choices) if config.eagle_choices else None

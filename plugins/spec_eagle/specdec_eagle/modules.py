@@ -157,11 +157,10 @@ class Eagle1Head(EagleHead):
         self.lm_head: nn.Module | None = None  # the target's
         self.head_rows: torch.Tensor | None = None
 
-    def restrict_vocab(self, token_ids: torch.Tensor) -> None:
-        """Draft over ``token_ids`` only: the target's LM head rows of those tokens (the
-        vocabulary the head was trained on; the other rows cost time and are rarely right)."""
-        self.draft_to_target = token_ids.to(self.lm_head.weight.device)
-        self.head_rows = self.lm_head.weight[self.draft_to_target].detach().clone()
+    def restrict_vocab(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Draft over ``token_ids`` only, through ``rows``, the target's LM head rows of those
+        tokens (:func:`specdec.draft_checkpoint.restricted_head`)."""
+        self.head_rows, self.draft_to_target = rows, token_ids
 
     @property
     def layer(self) -> EagleDecoderLayer:

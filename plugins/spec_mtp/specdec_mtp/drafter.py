@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft_checkpoint import load_draft_vocab
+from specdec.draft_checkpoint import restricted_head
 from specdec.executor.model_runner import ATTENTION_NAME
 from specdec.feature_drafter import FeatureDrafter
 
@@ -28,12 +28,7 @@ class MTPDrafter(FeatureDrafter):
         self.embed = parts.embed_tokens
         self.rotary = parts.rotary_emb
         head = module.shared_head.head if module.shared_head.head is not None else parts.lm_head
-        weight = head.weight.detach()
-        vocab = load_draft_vocab(self.directory, target.vocab_size)
-        if vocab is not None:  # the tokens it was trained on: fewer head rows per draft step
-            self.draft_to_target = vocab.to(target.device)
-            weight = weight[self.draft_to_target]
-        self._head_weight = weight
+        self._head_weight, self.draft_to_target = restricted_head(head.weight, self.directory, target.vocab_size)
         self.start_runner(target.hidden_size, config.draft_kv_cache_blocks)
 
     def draft_forward(self, input_ids, positions, meta, feature):
