@@ -178,8 +178,7 @@ def quantize_target(path: Path, mode: str, dtype: torch.dtype, device: torch.dev
 
     Where the safetensors files hold every parameter under the model's own names, the
     model is built without weights and each layer is read and quantized in turn, so the
-    full-precision model never sits in memory (peak memory is the quantized model's);
-    otherwise it is loaded in ``dtype`` first.
+    full-precision model never sits in memory; otherwise it is loaded in ``dtype`` first.
     """
     from .gguf_blocks import int4_layers
     from .models import load_causal_lm
