@@ -260,7 +260,7 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             raise ValueError(f"unknown categories {unknown}; available: {sorted(prompt_sets)}")
         prompt_sets = {c: prompt_sets[c] for c in categories}
     prompt_sets = {c: concurrent_requests(convs, batch_size) for c, convs in prompt_sets.items()}
-    gguf = gguf_file(base.model)
+    gguf = gguf_file(base.model) if compare_llama_cpp else None
     if compare_llama_cpp and gguf is None:
         raise ValueError("--llama-cpp runs the GGUF file the target comes from: use the embedded model or "
                          "--model FILE.gguf")
