@@ -223,7 +223,7 @@ def check_config_round_trip(options: dict) -> SpeculativeConfig:
 
 def check_greedy_lossless(options: dict, model: str | Path | None = None, prompts: list | None = None,
                           max_tokens: int = 24, dtype: str = "float32", min_accepted: int = 1,
-                          engine: dict | None = None):
+                          engine: dict | None = None, device: str = "auto"):
     """Greedy output with the drafter equals plain greedy output, token for token, and the
     drafter really took part: it proposed draft tokens, and at least ``min_accepted`` of
     them were accepted over all prompts (a drafter that never drafts, or always fails,
@@ -236,7 +236,7 @@ def check_greedy_lossless(options: dict, model: str | Path | None = None, prompt
     model without a tokenizer works. The drafter drafts every step unless ``options`` say
     ``adaptive: true``: the adaptive planner's choices follow measured step times, which
     would make the check depend on the machine's load. ``engine`` options (say
-    ``{"quantization": "int4"}``) apply to both runs. Returns the speculative outputs.
+    ``{"quantization": "int4"}``) and ``device`` apply to both runs. Returns the speculative outputs.
     """
     from .api import LLM
 
@@ -247,8 +247,9 @@ def check_greedy_lossless(options: dict, model: str | Path | None = None, prompt
         prompts = [torch.randint(0, 100, (n,), generator=g).tolist() * 2 for n in (5, 9, 14)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     name = str(model) if model else None
-    plain = LLM(model=name, dtype=dtype, engine=engine).generate(prompts, params)
-    spec = LLM(model=name, dtype=dtype, engine=engine, speculative_config=options).generate(prompts, params)
+    plain = LLM(model=name, dtype=dtype, device=device, engine=engine).generate(prompts, params)
+    spec = LLM(model=name, dtype=dtype, device=device, engine=engine,
+               speculative_config=options).generate(prompts, params)
     for i, (a, b) in enumerate(zip(plain, spec)):
         assert a.token_ids == b.token_ids, (f"prompt {i}: speculative greedy output differs from plain greedy output:"
                                             f"\nplain {a.token_ids}\nspec  {b.token_ids}")
@@ -283,7 +284,7 @@ def chi_square_p_value(counts: torch.Tensor, exact: torch.Tensor, n: int) -> flo
 
 def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int], n: int = 1500,
                             params: SamplingParams | None = None, position: int = 1, min_p_value: float = 1e-3,
-                            engine: dict | None = None):
+                            engine: dict | None = None, device: str = "auto"):
     """Sampled output follows the target's distribution with the drafter in the loop.
 
     The empirical distribution of output token ``position`` (the second token, the first
@@ -318,7 +319,7 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
         return sum(probs[t] * marginal(prefix + [t], steps - 1) for t in torch.nonzero(probs).flatten().tolist())
 
     exact = marginal(list(prompt), position)
-    llm = LLM(model=str(model), dtype="float32", engine=engine, speculative_config=options)
+    llm = LLM(model=str(model), dtype="float32", device=device, engine=engine, speculative_config=options)
     counts, accepted = torch.zeros_like(exact), 0
     for seed in range(n):
         out = llm.generate([prompt], attrs.evolve(params, seed=seed))[0]

@@ -10,8 +10,19 @@ from helpers import random_layout
 
 from specdec import LLM, SamplingParams
 from specdec.testing import running_server, stream_chat
-from specdec.kernels import AttentionLayout, SequenceSlice, invariant_attention, make_linear_invariant
+from specdec.kernels import AttentionLayout, SequenceSlice, make_linear_invariant
 from specdec.kernels.attention import paged_attention_torch
+from specdec.kernels.invariant import invariant_attention_torch
+from specdec.kernels.triton_kernels import invariant_attention_triton
+
+#: both implementations of the mode's attention (CUDA uses the Triton one; CPU tests run it
+#: under the Triton interpreter)
+ATTENTION = {"torch": invariant_attention_torch, "triton": invariant_attention_triton}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: the implementation the mode uses here, and on CPU the other one too: the torch version's
+#: invariance holds on CPU only (on an H100 a packed token's result differed from its own
+#: decoding alone), which is why CUDA has the kernel
+INVARIANT = ["triton"] if DEVICE == "cuda" else sorted(ATTENTION)
 
 CASES = [  # heads, kv_heads, dim, block size, (committed, new, tree?) per sequence, window, softcap
     (9, 3, 64, 16, [(60, 9, False), (0, 70, False), (130, 1, False), (61, 6, True)], None, None),
@@ -24,18 +35,19 @@ CASES = [  # heads, kv_heads, dim, block size, (committed, new, tree?) per seque
 def case_inputs(case: int, dtype: torch.dtype):
     heads, kv_heads, dim, bs, shapes, window, softcap = CASES[case]
     gen = torch.Generator().manual_seed(case)
-    layout = random_layout(gen, bs, 64, shapes)
-    keys = torch.randn(64 * bs, kv_heads, dim, generator=gen).to(dtype)
-    values = torch.randn(64 * bs, kv_heads, dim, generator=gen).to(dtype)
+    layout = random_layout(gen, bs, 64, shapes, device=DEVICE)
+    keys = torch.randn(64 * bs, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    values = torch.randn(64 * bs, kv_heads, dim, generator=gen).to(DEVICE, dtype)
     # [tokens, heads, dim] transposed, as the model's attention hands it over (not contiguous)
-    query = torch.randn(layout.num_tokens, heads, dim, generator=gen).to(dtype).transpose(0, 1)
+    query = torch.randn(layout.num_tokens, heads, dim, generator=gen).to(DEVICE, dtype).transpose(0, 1)
     return layout, keys, values, query, dim ** -0.5, window, softcap
 
 
+@pytest.mark.parametrize("impl", sorted(ATTENTION))
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_invariant_attention_matches_the_reference(case):
+def test_invariant_attention_matches_the_reference(case, impl):
     layout, keys, values, query, scale, window, softcap = case_inputs(case, torch.float32)
-    got = invariant_attention(query, keys, values, layout, scale, window, softcap)
+    got = ATTENTION[impl](query, keys, values, layout, scale, window, softcap)
     want = paged_attention_torch(query, keys, values, layout, scale, window, softcap)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -54,14 +66,16 @@ def visible_slots(layout: AttentionLayout, token: int) -> tuple[list[int], int]:
     raise IndexError(token)
 
 
+@pytest.mark.parametrize("impl", INVARIANT)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_a_token_attends_as_if_it_were_decoded_alone(case, dtype):
+def test_a_token_attends_as_if_it_were_decoded_alone(case, dtype, impl):
     """Each token of a packed step (prompt chunks, chains, tree nodes, several sequences)
     gets bit for bit what plain decoding of that token alone gets: its keys copied into a
     fresh cache in position order, one query, one sequence."""
     layout, keys, values, query, scale, window, softcap = case_inputs(case, dtype)
-    packed = invariant_attention(query, keys, values, layout, scale, window, softcap)
+    attend = ATTENTION[impl]
+    packed = attend(query, keys, values, layout, scale, window, softcap)
     bs = layout.block_size
     for token in range(layout.num_tokens):
         slots, position = visible_slots(layout, token)
@@ -69,8 +83,8 @@ def test_a_token_attends_as_if_it_were_decoded_alone(case, dtype):
         k_alone, v_alone = torch.zeros_like(keys), torch.zeros_like(values)
         k_alone[:len(slots)], v_alone[:len(slots)] = keys[slots], values[slots]
         alone = AttentionLayout([SequenceSlice(block_table=list(range(-(-len(slots) // bs))), start=position,
-                                               positions=torch.tensor([position]))], bs, torch.device("cpu"))
-        got = invariant_attention(query[:, token:token + 1], k_alone, v_alone, alone, scale, window, softcap)
+                                               positions=torch.tensor([position]))], bs, torch.device(DEVICE))
+        got = attend(query[:, token:token + 1], k_alone, v_alone, alone, scale, window, softcap)
         assert torch.equal(got[0], packed[token]), f"token {token} (position {position}) differs"
 
 
@@ -80,11 +94,11 @@ def test_invariant_linear_gives_a_row_the_same_result_in_any_batch(shape, dtype)
     """The embedded model's linear shapes (1536 -> 576 is its MLP down projection, which
     the stock bfloat16 kernel computes differently from 5 rows on, on this repository's CPU)."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(*shape, bias=True).to(dtype)
+    layer = torch.nn.Linear(*shape, bias=True).to(DEVICE, dtype)
     make_linear_invariant(layer)
-    x = torch.randn(40, shape[0]).to(dtype)
+    x = torch.randn(150, shape[0]).to(DEVICE, dtype)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
-    for rows in (2, 3, 4, 5, 8, 13, 16, 33, 40):
+    for rows in (2, 3, 4, 5, 8, 13, 16, 33, 40, 65, 100, 150):
         assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
     assert torch.equal(layer(x[None, :7])[0], alone[:7])  # [batch, tokens, features] inputs too
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5

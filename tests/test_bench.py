@@ -125,7 +125,8 @@ def test_table_labels_methods_whose_output_a_lossy_rule_decided():
 def test_bench_llama_cpp_beside_an_int4_target(tmp_path):
     """llama.cpp runs the GGUF file the embedded model comes from, in the same interleaved run."""
     out = tmp_path / "r.json"
-    result = specdec("bench", "plain", "--llama-cpp", "--quantization", "int4", "--categories", "chat",
+    result = specdec("bench", "plain", "--llama-cpp", "--quantization", "int4", "--device", "cpu",
+                     "--categories", "chat",
                      "--max-tokens", "16", "--dtype", "float32", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert "(int4 weights)" in result.stdout and "llama.cpp prompt lookup" in result.stdout

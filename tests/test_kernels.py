@@ -22,6 +22,9 @@ CASES = [  # heads, kv_heads, dim, block size, sequences, window, softcap
     (8, 2, 24, 8, [(20, 6, True), (3, 4, True)], None, None),
     (4, 1, 32, 4, [(30, 4, True), (12, 1, False)], 8, None),
     (4, 2, 16, 4, [(11, 3, False), (6, 5, True)], None, 30.0),
+    # contexts long enough for the kernel to cut the keys in splits and combine them
+    (8, 2, 32, 32, [(700, 1, False), (300, 6, True), (5, 2, False)], None, None),
+    (4, 1, 32, 32, [(600, 3, True), (40, 1, False)], 100, None),
 ]
 
 
@@ -204,8 +207,9 @@ def test_a_kernel_failing_after_a_partial_write_fails_loudly(monkeypatch):
     monkeypatch.setattr(kernels, "use_triton", lambda tensor, name="": name not in kernels._failed)
     monkeypatch.setattr(kernels._triton(), "copy_rows_triton", keys_only)
     monkeypatch.setattr(kernels, "_failed", set())
-    keys, values = torch.arange(8.0).view(4, 1, 2), torch.arange(8.0).view(4, 1, 2)
-    src, dst = torch.tensor([2, 3]), torch.tensor([1, 2])  # slot 2 is read, then written
+    keys = torch.arange(8.0, device=DEVICE).view(4, 1, 2)
+    values = torch.arange(8.0, device=DEVICE).view(4, 1, 2)
+    src, dst = torch.tensor([2, 3], device=DEVICE), torch.tensor([1, 2], device=DEVICE)  # slot 2 read, then written
     with pytest.raises(kernels.KernelError, match="after moving the keys"):
         kernels.copy_kv_slots(keys, values, src, dst)
     assert keys[1:3].flatten().tolist() == [4.0, 5.0, 6.0, 7.0]  # the keys moved once, not twice

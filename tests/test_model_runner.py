@@ -81,6 +81,6 @@ def test_hidden_states_reach_the_drafter_without_recomputation(tiny_models):
     ref = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()
     with torch.no_grad():
         want = ref.model(torch.tensor([[1, 2, 3, 4, 5]])).last_hidden_state[0]
-    torch.testing.assert_close(prefill.hidden_states[-1], want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(prefill.hidden_states[-1].cpu(), want, atol=1e-4, rtol=1e-4)
     decode = seen[1]
     assert not decode.is_prefill and decode.hidden_states[0].shape == (1, 64)

@@ -67,7 +67,7 @@ def _site_with_plugin(tmp_path, module: str, source: str, entry: str, dist: str)
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3\n")
     (info / "entry_points.txt").write_text(f"[specdec.plugins]\n{entry} = {module}\n")
-    return {"PYTHONPATH": str(site)}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
 
 
 def test_registered_but_not_implemented_method_fails_clearly(tmp_path):

@@ -56,13 +56,13 @@ def test_gguf_blocks_are_the_files_own_weights(smol_hf):
 
 @pytest.fixture(scope="module")
 def smol_int4():
-    return LLM(dtype="float32", engine={"quantization": "int4"})
+    return LLM(device="cpu", dtype="float32", engine={"quantization": "int4"})
 
 
 def test_embedded_int4_target_is_smaller_and_still_answers(smol_int4, smol):
     """The issue's memory goal, on what the weights hold: int4 at most 40% of bfloat16."""
     bf16_bytes = weight_bytes(smol.target.model) // 2  # the float32 model's tensors, at 2 bytes
-    int4_bytes = weight_bytes(LLM(dtype="bfloat16", engine={"quantization": "int4"}).target.model)
+    int4_bytes = weight_bytes(LLM(device="cpu", dtype="bfloat16", engine={"quantization": "int4"}).target.model)
     assert int4_bytes <= 0.4 * bf16_bytes, f"{int4_bytes / 2**20:.0f} MiB vs bfloat16 {bf16_bytes / 2**20:.0f} MiB"
     assert sum(isinstance(m, Int4Linear) for m in smol_int4.target.model.modules()) == 210
     params = SamplingParams(max_tokens=12, temperature=0.0)
@@ -73,14 +73,14 @@ def test_embedded_int4_target_is_smaller_and_still_answers(smol_int4, smol):
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_quantized_tiny_target_greedy_lossless(tiny_models, mode):
     testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 4}, tiny_models["llama"],
-                                  engine={"quantization": mode})
+                                  engine={"quantization": mode}, device="cpu")
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_embedded_int4_greedy_lossless_with_trained_drafters(smol_int4, method):
     """The shipped drafters read the quantized head and embedding; output equals the int4 target's."""
     plain = smol_int4.chat(testing.SHIPPED_CHECK_PROMPTS, testing.SHIPPED_CHECK_PARAMS)
-    spec = LLM(dtype="float32", engine={"quantization": "int4"},
+    spec = LLM(device="cpu", dtype="float32", engine={"quantization": "int4"},
                speculative_config={"decoding_type": method, "adaptive": False})
     got = spec.chat(testing.SHIPPED_CHECK_PROMPTS, testing.SHIPPED_CHECK_PARAMS)
     for a, b in zip(plain, got):
@@ -93,14 +93,14 @@ def test_bfloat16_int4_batch_invariant_identical_with_drafts():
     drafts verified beside each token as alone."""
     testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 6}, dtype="bfloat16",
                                   engine={"quantization": "int4", "batch_invariant": True}, max_tokens=32,
-                                  min_accepted=5)
+                                  min_accepted=5, device="cpu")
 
 
 def test_quantized_sampling_follows_the_quantized_target(tiny_models):
     prompt = list(range(3, 11)) * 2
     _, accepted = testing.check_sampling_lossless({"decoding_type": "ngram", "max_draft_len": 4},
                                                   tiny_models["llama"], prompt, n=800,
-                                                  engine={"quantization": "int4"})
+                                                  engine={"quantization": "int4"}, device="cpu")
     assert accepted > 0
 
 
@@ -121,11 +121,11 @@ def test_low_memory_load_equals_load_then_quantize(tiny_models):
 
 def test_unsupported_quantization_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"quantization.*must be one of 'int8', 'int4'.*int3"):
-        LLM(engine={"quantization": "int3"})
+        LLM(device="cpu", engine={"quantization": "int3"})
     with pytest.raises(ConfigError, match="device: cpu only"):
         check_supported("int4", torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ConfigError, match="bfloat16 or float32, not float16"):
-        LLM(dtype="float16", engine={"quantization": "int8"})
+        LLM(device="cpu", dtype="float16", engine={"quantization": "int8"})
 
 
 def test_cli_quantization_flag_and_yaml(tmp_path):
@@ -135,7 +135,7 @@ def test_cli_quantization_flag_and_yaml(tmp_path):
     def specdec(*args):
         return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, timeout=600)
 
-    out = specdec("generate", "--quantization", "int8", "--dtype", "float32", "-n", "6", "--set",
+    out = specdec("generate", "--quantization", "int8", "--device", "cpu", "--dtype", "float32", "-n", "6", "--set",
                   "sampling.temperature=0", "The capital of France is")
     assert out.returncode == 0 and "Paris" in out.stdout, out.stderr
     config = tmp_path / "q.yaml"

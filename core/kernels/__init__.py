@@ -12,7 +12,7 @@ import os
 import torch
 
 from .attention import paged_attention_torch
-from .invariant import invariant_attention, make_linear_invariant, restore_linear
+from .invariant import invariant_attention_torch, make_linear_invariant, restore_linear
 from .kv_copy import copy_kv_slots_torch
 from .layout import AttentionLayout, SequenceSlice
 from .verify import chain_rejection_torch, greedy_tree_verify_torch
@@ -65,6 +65,15 @@ def paged_attention(query, key_pool, value_pool, layout: AttentionLayout, scale,
     if layout.has_pending:  # draft-tree levels: only the reference reads pending masks
         return paged_attention_torch(query, key_pool, value_pool, layout, scale, sliding_window, softcap)
     return _dispatch("paged_attention_triton", query, paged_attention_torch,
+                     query, key_pool, value_pool, layout, scale, sliding_window, softcap)
+
+
+def invariant_attention(query, key_pool, value_pool, layout: AttentionLayout, scale, sliding_window=None,
+                        softcap=None):
+    """Attention whose result for a token does not depend on the rest of the step
+    (:mod:`.invariant`): the Triton kernel on CUDA (one reduction order per query by
+    construction), the torch version elsewhere."""
+    return _dispatch("invariant_attention_triton", query, invariant_attention_torch,
                      query, key_pool, value_pool, layout, scale, sliding_window, softcap)
 
 

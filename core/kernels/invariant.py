@@ -13,14 +13,21 @@ batch dimension varies (which no kernel reorders):
 
 - linear layers pad their rows and split their input dimension as a :class:`LinearPlan`
   found by trying on this machine at first use (:func:`linear_plan`: the thresholds are
-  the kernel library's), the slices' products added in float32 in a fixed order;
+  the kernel library's), the slices' products added in float32 in a fixed order; on CUDA
+  they multiply a fixed number of rows per call (:data:`CUDA_CHUNK_ROWS`);
 - attention runs in float32 over *key rows*: a query at position ``p`` sees the keys of
   positions ``0..p`` at columns ``0..p``, as plain decoding lays them out (a draft tree's
   ancestors compacted); rows are padded to a multiple of :data:`KEY_BLOCK` keys (scores
   and softmax do not change with that padding), products have a multiple of
   :data:`ROW_MULTIPLE` query rows (which the library treats alike), and the values are
   summed :data:`KEY_BLOCK` keys at a time, the block sums added in order, so the
-  reduction over keys has a fixed length whatever the row's width.
+  reduction over keys has a fixed length whatever the row's width. On CUDA a Triton kernel
+  reads the same key rows instead (``invariant_attention_triton``): one program per query
+  and head walks its own row in column order, so no library's choice of kernel enters.
+
+Why CUDA has its own paths: on an H100 (torch 2.11, cuBLAS) the CPU's version of the mode
+passed its component checks (rows up to 64, the test layouts), yet the embedded model's
+bfloat16 greedy answers with drafts differed from plain ones.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ KEY_BLOCK = 64
 ROW_MULTIPLE = 4
 #: row counts checked when a linear shape is calibrated.
 _CHECK_ROWS = (2, 3, 4, 5, 7, 8, 11, 16, 17, 33, 64)
+#: on CUDA, linear layers run in calls of exactly this many rows: cuBLAS picks its kernel
+#: (and split of the reduction) by the row count, so only a fixed count is safe for any batch.
+CUDA_CHUNK_ROWS = 64
 
 
 # -- linear -----------------------------------------------------------------------------
@@ -50,14 +60,16 @@ _CHECK_ROWS = (2, 3, 4, 5, 7, 8, 11, 16, 17, 33, 64)
 class LinearPlan:
     """How to run one linear shape batch-invariantly: rows padded to a multiple of
     ``row_multiple``; the input dimension cut in ``parts`` equal slices whose products
-    (one batched product) are added in float32 in a fixed order."""
+    (one batched product) are added in float32 in a fixed order; with ``chunk``, rows are
+    padded to a multiple of it and multiplied ``chunk`` rows per call."""
 
     row_multiple: int
     parts: int
+    chunk: int = 0
 
     @property
     def is_stock(self) -> bool:
-        return self.row_multiple == 1 and self.parts == 1
+        return self.row_multiple == 1 and self.parts == 1 and not self.chunk
 
 
 def split_weight(weight: torch.Tensor, parts: int) -> torch.Tensor:
@@ -71,27 +83,35 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     rows = x.shape[0]
-    if rows % plan.row_multiple:
-        x = torch.cat([x, x.new_zeros(plan.row_multiple - rows % plan.row_multiple, x.shape[1])])
-    if plan.parts == 1:
-        out = F.linear(x, weight, bias)
+    multiple = plan.chunk or plan.row_multiple
+    if rows % multiple:
+        x = torch.cat([x, x.new_zeros(multiple - rows % multiple, x.shape[1])])
+    if plan.chunk and len(x) > plan.chunk:
+        out = torch.cat([_product(part, weight, bias, plan.parts) for part in x.split(plan.chunk)])
     else:
-        products = torch.bmm(x.view(len(x), plan.parts, -1).transpose(0, 1), weight)
-        acc = products[0].float()
-        for part in products[1:]:
-            acc.add_(part)
-        if bias is not None:
-            acc.add_(bias)
-        out = acc.to(x.dtype)
+        out = _product(x, weight, bias, plan.parts)
     return out[:rows].reshape(*shape[:-1], out.shape[-1])
 
 
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> torch.Tensor:
+    if parts == 1:
+        return F.linear(x, weight, bias)
+    products = torch.bmm(x.view(len(x), parts, -1).transpose(0, 1), weight)
+    acc = products[0].float()
+    for part in products[1:]:
+        acc.add_(part)
+    if bias is not None:
+        acc.add_(bias)
+    return acc.to(x.dtype)
+
+
 def _rows_invariant(weight: torch.Tensor, plan: LinearPlan) -> bool:
-    x = torch.randn(max(_CHECK_ROWS), weight.shape[1], generator=torch.Generator().manual_seed(0))
+    checks = _CHECK_ROWS + ((plan.chunk + 1, 2 * plan.chunk + 3) if plan.chunk else ())
+    x = torch.randn(max(checks), weight.shape[1], generator=torch.Generator().manual_seed(0))
     x = x.to(weight.device, weight.dtype)
     w = split_weight(weight, plan.parts) if plan.parts > 1 else weight
     alone: list[torch.Tensor] = []  # each row on its own, computed as far as a check needs (most plans fail early)
-    for m in _CHECK_ROWS:
+    for m in checks:
         alone += [planned_linear(x[i:i + 1], w, None, plan) for i in range(len(alone), m)]
         if not torch.equal(planned_linear(x[:m], w, None, plan), torch.cat(alone)):
             return False
@@ -103,14 +123,16 @@ def _linear_plan(out_features: int, in_features: int, dtype: torch.dtype, device
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1))
     weight = (weight * in_features ** -0.5).to(device, dtype)
     divisors = [p for p in range(1, in_features // 64 + 1) if in_features % p == 0] or [1]
-    for row_multiple in (1, ROW_MULTIPLE, 2 * ROW_MULTIPLE):
-        for parts in divisors:
-            plan = LinearPlan(row_multiple, parts)
-            if _rows_invariant(weight, plan):
-                if not plan.is_stock:
-                    log.info("batch-invariant %s linear %dx%d on %s: rows padded to a multiple of %d, input in %d "
-                             "parts", dtype, in_features, out_features, device, row_multiple, parts)
-                return plan
+    if device == "cuda":
+        plans = [LinearPlan(1, parts, CUDA_CHUNK_ROWS) for parts in divisors]
+    else:
+        plans = [LinearPlan(row_multiple, parts) for row_multiple in (1, ROW_MULTIPLE, 2 * ROW_MULTIPLE)
+                 for parts in divisors]
+    for plan in plans:
+        if _rows_invariant(weight, plan):
+            if not plan.is_stock:
+                log.info("batch-invariant %s linear %dx%d on %s: %s", dtype, in_features, out_features, device, plan)
+            return plan
     raise RuntimeError(f"no batch-invariant way to compute a {in_features}x{out_features} {dtype} linear on "
                        f"{device} was found; turn engine.batch_invariant off for this model")
 
@@ -161,8 +183,9 @@ def _fold_indices(group: dict, rep: int, tokens: int) -> tuple[torch.Tensor, tor
     return group[key]
 
 
-def invariant_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, layout, scale: float,
-                        sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def invariant_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, layout,
+                              scale: float, sliding_window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
     """Attention of the step's new tokens whose result for a token does not depend on the
     other tokens of the step (see the module docstring); float32 inside.
 

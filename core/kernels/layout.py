@@ -54,6 +54,7 @@ class AttentionLayout:
         self.device = device
         self.num_tokens = sum(len(s.positions) for s in seqs)
         self._window_masks: dict[int, torch.Tensor] = {}
+        self.kernel_cache: dict = {}  # what kernels derive from the layout, per step
 
     def _slots(self, seq: SequenceSlice, first: int, count: int) -> list[int]:
         return slot_ids(seq.block_table, self.block_size, first, count)
@@ -223,6 +224,26 @@ class AttentionLayout:
         return self._window_masks[window]
 
     # -- the Triton kernel's view ----------------------------------------------------
+
+    @cached_property
+    def invariant_key_rows(self) -> dict[str, torch.Tensor]:
+        """The Triton batch-invariant attention's view of :attr:`invariant_rows`: every key
+        row flattened into ``slots`` and ``key_pos``, and per packed token the ``offset``
+        of its row there and the ``count`` of keys it sees (always the row's first ones)."""
+        slots, key_pos = [], []
+        offset = torch.zeros(self.num_tokens, dtype=torch.long, device=self.device)
+        count = torch.zeros(self.num_tokens, dtype=torch.long, device=self.device)
+        base = 0
+        for g in self.invariant_rows:
+            rows, width = g["slots"].shape
+            m = g["queries"].shape[1]
+            r, j = g["rows"] // m, g["rows"] % m
+            offset[g["tokens"]] = base + r * width
+            count[g["tokens"]] = (g["bias"] == 0).sum(-1)[r, j]
+            slots.append(g["slots"].flatten())
+            key_pos.append(g["key_pos"].flatten())
+            base += rows * width
+        return {"slots": torch.cat(slots), "key_pos": torch.cat(key_pos), "offset": offset, "count": count}
 
     @cached_property
     def kernel_tensors(self) -> dict[str, torch.Tensor]:

@@ -4,6 +4,8 @@ dispatches: Triton on CUDA, torch elsewhere); CPU tests run these under TRITON_I
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -12,44 +14,210 @@ import triton.language as tl
 
 
 @triton.jit
-def _paged_attention_kernel(Q, K, V, O, block_tables, tree_mask, seq_of_token, new_index, starts, num_new, qpos,
-                            stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
-                            stride_bt, stride_tm, scale, softcap, window, rep, block_size, D, DV,
-                            HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+def _paged_attention_kernel(Q, K, V, O, M_part, L_part, O_part, block_tables, tree_mask, first_token, starts, num_new,
+                            tile_seq, tile_row, qpos, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                            stride_ot, stride_oh, stride_bt, stride_tm, stride_ps, stride_pt, scale, softcap, window,
+                            rep, block_size, split_len, D, DV, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                            SPLIT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One program per (query token, query head): online softmax over its sequence's keys,
-    read through the block table; committed keys are all visible, new keys per the tree mask."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    kv_head = h // rep
-    seq = tl.load(seq_of_token + t)
+    """One program per (tile of a sequence's query rows, KV head, split of its keys).
+
+    A tile's rows are the sequence's new tokens times the query heads sharing this KV
+    head, so each key block is read once for all of them and multiplied on the tensor
+    cores (``tl.dot``); long contexts are cut in ``split_len`` key splits whose partial
+    softmax sums (``SPLIT``) the combine kernel adds. Committed keys are all visible, new
+    keys per the tree mask."""
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq + tile)
     start = tl.load(starts + seq)
-    total = start + tl.load(num_new + seq)
-    first_new_row = t - tl.load(new_index + t)
-    my_pos = tl.load(qpos + t)
+    n_new = tl.load(num_new + seq)
+    total = start + n_new
+    first = tl.load(first_token + seq)
+    r = tl.load(tile_row + tile) + tl.arange(0, BLOCK_M)
+    row_ok = r < n_new * rep
+    tok = first + r // rep  # packed token of each row
+    head = g * rep + r % rep
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + t * stride_qt + h * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
-    m_i = tl.max(tl.full([BLOCK_N], -1.0e30, tl.float32), axis=0)
-    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    for k0 in range(0, total, BLOCK_N):
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    my_pos = tl.load(qpos + tok, mask=row_ok, other=0)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, total)
+    for k0 in range(lo, hi, BLOCK_N):
         idx = k0 + tl.arange(0, BLOCK_N)
-        valid = idx < total
+        valid = idx < hi
         block = tl.load(block_tables + seq * stride_bt + idx // block_size, mask=valid, other=0)
         slot = block.to(tl.int64) * block_size + idx % block_size
-        k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=valid[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale
+        k = tl.load(K + slot[None, :] * stride_ks + g * stride_kh + d[:, None],
+                    mask=valid[None, :] & (d[:, None] < D), other=0.0).to(q.dtype)
+        if DOT_F32:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale
         if HAS_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         is_new = idx >= start
         j = idx - start
-        sees = tl.load(tree_mask + t * stride_tm + j, mask=valid & is_new, other=0)
-        visible = valid & ((idx < start) | (sees != 0))
+        sees = tl.load(tree_mask + tok[:, None] * stride_tm + j[None, :],
+                       mask=row_ok[:, None] & (valid & is_new)[None, :], other=0)
+        visible = row_ok[:, None] & valid[None, :] & ((idx < start)[None, :] | (sees != 0))
         if HAS_WINDOW:
-            key_pos = tl.where(is_new, tl.load(qpos + first_new_row + j, mask=valid & is_new, other=0), idx)
-            visible = visible & (my_pos - key_pos < window)
+            key_pos = tl.where(is_new, tl.load(qpos + first + j, mask=valid & is_new, other=0), idx)
+            visible = visible & (my_pos[:, None] - key_pos[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(V + slot[:, None] * stride_vs + g * stride_vh + dv[None, :],
+                    mask=valid[:, None] & (dv[None, :] < DV), other=0.0).to(q.dtype)
+        if DOT_F32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    if SPLIT:
+        part = split * stride_ps + tok * stride_pt + head
+        tl.store(M_part + part, m_i, mask=row_ok)
+        tl.store(L_part + part, l_i, mask=row_ok)
+        tl.store(O_part + part[:, None] * BLOCK_DV + dv[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _combine_splits_kernel(M_part, L_part, O_part, O, num_splits, heads, stride_ps, stride_pt, stride_ot, stride_oh,
+                           DV, BLOCK_DV: tl.constexpr):
+    """out = sum_c exp(m_c - m) acc_c / sum_c exp(m_c - m) l_c over one (token, head)'s splits."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    dv = tl.arange(0, BLOCK_DV)
+    base = t * stride_pt + h
+    m = tl.load(M_part + base)
+    for c in range(1, num_splits):
+        m = tl.maximum(m, tl.load(M_part + c * stride_ps + base))
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    l_sum = tl.load(M_part + base) * 0.0
+    for c in range(0, num_splits):
+        w = tl.exp(tl.load(M_part + c * stride_ps + base) - m)
+        l_sum += w * tl.load(L_part + c * stride_ps + base)
+        acc += w * tl.load(O_part + (c * stride_ps + base) * BLOCK_DV + dv)
+    tl.store(O + t * stride_ot + h * stride_oh + dv, (acc / l_sum).to(O.dtype.element_ty), mask=dv < DV)
+
+
+#: the Triton interpreter (CPU tests) multiplies bfloat16 tiles wrongly (triton 3.9): dots in float32 there
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+#: programs a launch should have to keep every multiprocessor of a large GPU busy
+_TARGET_PROGRAMS = 264
+#: a key split is never shorter than this
+_MIN_SPLIT = 256
+
+
+def _attention_plan(layout, rep: int, kv_heads: int) -> dict:
+    """Tiles of query rows and key splits of one step's layout for ``kv_heads`` KV heads of
+    ``rep`` query heads each (cached on the layout: every layer of the step uses the same)."""
+    key = ("paged_attention", rep, kv_heads)
+    if key not in layout.kernel_cache:
+        rows = [len(s.positions) * rep for s in layout.seqs]
+        block_m = 16 if max(rows) <= 16 else 32 if max(rows) <= 32 else 64
+        tile_seq, tile_row = [], []
+        for i, n in enumerate(rows):
+            for r0 in range(0, n, block_m):
+                tile_seq.append(i)
+                tile_row.append(r0)
+        longest = max(s.start + len(s.positions) for s in layout.seqs)
+        work = len(tile_seq) * kv_heads
+        splits = max(1, min(-(-_TARGET_PROGRAMS // max(work, 1)), -(-longest // _MIN_SPLIT)))
+        split_len = -(-longest // splits)
+        split_len = -(-split_len // 64) * 64  # whole key blocks per split
+        splits = -(-longest // split_len)
+        to = lambda x: torch.tensor(x, dtype=torch.int32, device=layout.device)  # noqa: E731
+        first = [0]
+        for s in layout.seqs[:-1]:
+            first.append(first[-1] + len(s.positions))
+        layout.kernel_cache[key] = {"tile_seq": to(tile_seq), "tile_row": to(tile_row), "first_token": to(first),
+                                    "block_m": block_m, "splits": splits, "split_len": split_len}
+    return layout.kernel_cache[key]
+
+
+def paged_attention_triton(query, key_pool, value_pool, layout, scale, sliding_window=None, softcap=None):
+    """Same contract as the torch reference: ``query [heads, T, dim]`` -> ``[T, heads, value_dim]``."""
+    heads, tokens, dim = query.shape
+    kv_heads, dim_v = key_pool.shape[1], value_pool.shape[2]
+    rep = heads // kv_heads
+    kt = layout.kernel_tensors
+    plan = _attention_plan(layout, rep, kv_heads)
+    block_dv = max(16, triton.next_power_of_2(dim_v))
+    out = torch.empty(tokens, heads, dim_v, dtype=query.dtype, device=query.device)
+    splits = plan["splits"]
+    if splits > 1:
+        m_part = torch.empty(splits, tokens, heads, dtype=torch.float32, device=query.device)
+        l_part = torch.empty_like(m_part)
+        o_part = torch.empty(splits, tokens, heads, block_dv, dtype=torch.float32, device=query.device)
+    else:
+        m_part = l_part = o_part = out  # not read
+    grid = (len(plan["tile_seq"]), kv_heads, splits)
+    _paged_attention_kernel[grid](
+        query, key_pool, value_pool, out, m_part, l_part, o_part, kt["block_tables"], kt["tree_mask"],
+        plan["first_token"], kt["starts"], kt["num_new"], plan["tile_seq"], plan["tile_row"], layout.query_positions,
+        query.stride(1), query.stride(0), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
+        value_pool.stride(1), out.stride(0), out.stride(1), kt["block_tables"].stride(0), kt["tree_mask"].stride(0),
+        tokens * heads, heads, float(scale), float(softcap or 1.0), int(sliding_window or 0), rep, layout.block_size,
+        plan["split_len"], dim, dim_v, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=bool(sliding_window),
+        SPLIT=splits > 1, DOT_F32=query.dtype == torch.float32 or _INTERPRETED, BLOCK_M=plan["block_m"], BLOCK_N=64,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_DV=block_dv)
+    if splits > 1:
+        _combine_splits_kernel[(tokens, heads)](m_part, l_part, o_part, out, splits, heads, tokens * heads, heads,
+                                                out.stride(0), out.stride(1), dim_v, BLOCK_DV=block_dv)
+    return out
+
+
+@triton.jit
+def _invariant_attention_kernel(Q, K, V, O, slots, key_pos, offset, count, qpos, stride_qt, stride_qh, stride_ks,
+                                stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, scale, softcap, window, rep, D,
+                                DV, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One program per (query token, query head) over the token's own key row, the first
+    ``count`` columns, BLOCK_N at a time in column order: nothing in the arithmetic
+    depends on the other tokens of the launch, so the result is that of decoding alone."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_head = h // rep
+    base = tl.load(offset + t)
+    n = tl.load(count + t)
+    my_pos = tl.load(qpos + t)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + t * stride_qt + h * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+    if not HAS_SOFTCAP:
+        q = q * scale
+    m_i = tl.max(tl.full([BLOCK_N], -1.0e30, tl.float32), axis=0)
+    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for k0 in range(0, n, BLOCK_N):
+        idx = k0 + tl.arange(0, BLOCK_N)
+        valid = idx < n
+        slot = tl.load(slots + base + idx, mask=valid, other=0).to(tl.int64)
+        k = tl.load(K + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                    mask=valid[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1)
+        if HAS_SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s * scale / softcap) - 1.0)
+        visible = valid
+        if HAS_WINDOW:
+            visible = visible & (my_pos - tl.load(key_pos + base + idx, mask=valid, other=0) < window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         p = tl.exp(s - m_new)
@@ -59,24 +227,23 @@ def _paged_attention_kernel(Q, K, V, O, block_tables, tree_mask, seq_of_token, n
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
-    out = acc / l_i
-    tl.store(O + t * stride_ot + h * stride_oh + dv, out.to(O.dtype.element_ty), mask=dv < DV)
+    tl.store(O + t * stride_ot + h * stride_oh + dv, (acc / l_i).to(O.dtype.element_ty), mask=dv < DV)
 
 
-def paged_attention_triton(query, key_pool, value_pool, layout, scale, sliding_window=None, softcap=None):
-    """Same contract as the torch reference: ``query [heads, T, dim]`` -> ``[T, heads, value_dim]``."""
+def invariant_attention_triton(query, key_pool, value_pool, layout, scale, sliding_window=None, softcap=None):
+    """Same contract as :func:`specdec.kernels.invariant.invariant_attention_torch` (the torch
+    version, whose bits it does not promise to match: one mode uses one of the two)."""
     heads, tokens, dim = query.shape
     kv_heads, dim_v = key_pool.shape[1], value_pool.shape[2]
-    kt = layout.kernel_tensors
+    rows = layout.invariant_key_rows
     out = torch.empty(tokens, heads, dim_v, dtype=query.dtype, device=query.device)
-    _paged_attention_kernel[(tokens, heads)](
-        query, key_pool, value_pool, out, kt["block_tables"], kt["tree_mask"], kt["seq_of_token"], kt["new_index"],
-        kt["starts"], kt["num_new"], layout.query_positions,
-        query.stride(1), query.stride(0), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
-        value_pool.stride(1), out.stride(0), out.stride(1), kt["block_tables"].stride(0), kt["tree_mask"].stride(0),
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), heads // kv_heads, layout.block_size, dim, dim_v,
-        HAS_SOFTCAP=softcap is not None, HAS_WINDOW=bool(sliding_window), BLOCK_N=32,
-        BLOCK_D=triton.next_power_of_2(dim), BLOCK_DV=triton.next_power_of_2(dim_v))
+    _invariant_attention_kernel[(tokens, heads)](
+        query, key_pool, value_pool, out, rows["slots"], rows["key_pos"], rows["offset"], rows["count"],
+        layout.query_positions, query.stride(1), query.stride(0), key_pool.stride(0), key_pool.stride(1),
+        value_pool.stride(0), value_pool.stride(1), out.stride(0), out.stride(1), float(scale), float(softcap or 1.0),
+        int(sliding_window or 0), heads // kv_heads, dim, dim_v, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=bool(sliding_window), BLOCK_N=32, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_DV=triton.next_power_of_2(dim_v))
     return out
 
 

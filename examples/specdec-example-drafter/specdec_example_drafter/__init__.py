@@ -51,7 +51,7 @@ class BigramDrafter(Drafter):
                 continue
             tokens, rows = [], []
             for _ in range(k):
-                q = self._distribution(table.get(last, Counter()))
+                q = self._distribution(table.get(last, Counter())).to(req.generator.device)
                 last = int(torch.multinomial(q, 1, generator=req.generator))
                 tokens.append(last)
                 rows.append(q)

@@ -51,8 +51,8 @@ def test_deepseek_v3_checkpoint_with_its_mtp_layer_loads_and_drafts_losslessly(t
     drafter = llm.drafter
     assert drafter.directory == model and drafter.module.shared_head.head is not None
     state = load_file(str(model / "model.safetensors"))
-    torch.testing.assert_close(drafter.module.eh_proj.weight, state["model.layers.2.eh_proj.weight"])
-    torch.testing.assert_close(drafter.module.block.self_attn.kv_a_proj_with_mqa.weight,
+    torch.testing.assert_close(drafter.module.eh_proj.weight.cpu(), state["model.layers.2.eh_proj.weight"])
+    torch.testing.assert_close(drafter.module.block.self_attn.kv_a_proj_with_mqa.weight.cpu(),
                                state["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"])
 
 

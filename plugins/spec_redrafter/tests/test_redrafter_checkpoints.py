@@ -99,11 +99,12 @@ def test_beam_search_matches_an_exhaustive_search(target, tmp_path):
                speculative_config={"decoding_type": "redrafter", "speculative_model": str(directory),
                                    "beam_width": 3})
     drafter = spec.drafter
-    context = torch.randn(2, H, generator=torch.Generator().manual_seed(1))
-    roots = torch.tensor([5, 9])
+    device = spec.target.device
+    context = torch.randn(2, H, generator=torch.Generator().manual_seed(1)).to(device)
+    roots = torch.tensor([5, 9], device=device)
     beams, score = drafter.beam_search(context, roots, depth=2)
     for row in range(2):
-        s1 = drafter.model.next_state(drafter.embed(roots[row]), torch.zeros(H))
+        s1 = drafter.model.next_state(drafter.embed(roots[row]), torch.zeros(H, device=device))
         logits1 = drafter._logits(context[row], s1)
         lp1, ids1 = top_k_scores(logits1)
         # the reference's masked log-softmax over the whole vocabulary gives the same scores
@@ -111,13 +112,13 @@ def test_beam_search_matches_an_exhaustive_search(target, tmp_path):
         assert torch.allclose(masked[ids1], lp1, atol=1e-5) and int(torch.isfinite(masked).sum()) == 50
         scored = []
         for v1, a in zip(lp1.tolist(), ids1.tolist()):
-            s2 = drafter.model.next_state(drafter.embed(torch.tensor(a)), s1)
+            s2 = drafter.model.next_state(drafter.embed(torch.tensor(a, device=device)), s1)
             logits2 = drafter._logits(context[row], s2)
             lp2 = logits2.masked_fill(logits2 < logits2.topk(50).values[-1], float("-inf")).log_softmax(-1)
             scored += [(v1 + float(lp2[b]), [a, b]) for b in range(VOCAB) if torch.isfinite(lp2[b])]
         scored.sort(key=lambda x: -x[0])
         assert beams[row].tolist() == [p for _, p in scored[:3]]
-        assert torch.allclose(score[row], torch.tensor([s for s, _ in scored[:3]]), atol=1e-4)
+        assert torch.allclose(score[row].cpu(), torch.tensor([s for s, _ in scored[:3]]), atol=1e-4)
 
 
 def test_sampled_output_follows_the_target(target, tmp_path):

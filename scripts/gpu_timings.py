@@ -1,0 +1,419 @@
+"""GPU timings on a random-weight model of a real size (timing does not depend on the
+weights, acceptance does: see ``eagle3`` below).
+
+    python scripts/gpu_timings.py [--shape llama-8b] [--parts generate,steps,attention,eagle3] [--json FILE]
+
+Parts, each printed as a table:
+
+* ``generate``: Hugging Face ``generate()`` (greedy, sdpa, its dynamic cache) against
+  specdec's plain decoding through ``LLM.generate``, the same model object and the same
+  prompts, interleaved, at batch 1, 8 and 32: tokens per second over prefill and decode.
+* ``steps``: one target forward through specdec's model runner and paged KV cache: a
+  decode step (1 new token per request) and a 16-token tree verification (a 16-node tree
+  per request), at batch 1, 8 and 32, after ``--context`` cached tokens; wall time per
+  step, the GPU's busy time in it (the profiler's kernel time: what CUDA graphs could not
+  remove), and the weight-streaming floor at ``--bandwidth``.
+* ``attention``: the paged attention alone, Triton kernel against the torch path, for
+  decode (1 query per sequence) and a 16-node tree: per call (``do_bench``: host launch
+  included) and on the device (20 calls in a CUDA graph, replayed), against the floor of
+  reading every cached key and value once at ``--bandwidth``.
+* ``eagle3``: plain against EAGLE-3 (a random head in the published layout, chain of
+  ``max_draft_len`` 3, drafting every step) at batch 1 and 8; random heads accept
+  nothing, so the figure is each step's cost: the speedup at a mean acceptance length
+  ``tau`` is ``tau * plain_step / eagle3_step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # the shapes of published models; weights drawn at random
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=1000, max_position_embeddings=8192),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+}
+DRAFT_PARENTS = [-1, -1, -1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 7, 8, 10]  # 15 draft nodes under the root: 16 tokens
+
+
+DEVICE = torch.device("cuda")  # --device cpu: a dry run of the script (with --shape tiny)
+KV_CACHE_MB = 12288
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def random_model(shape: str, directory: Path, dtype: torch.dtype):
+    """A Llama of ``shape`` with random weights on the GPU, and a directory holding its config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with DEVICE:
+        model = LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(previous)
+    for p in model.parameters():  # keep activations in range: N(0, 0.02) everywhere, norms 1
+        if p.dim() > 1:
+            p.data.normal_(0, 0.02)
+    config.save_pretrained(directory)
+    return model
+
+
+def build_llm(model, directory: Path, speculative_config=None, **engine):
+    """specdec's LLM over the model object already on the GPU (its loader patched to hand it over)."""
+    import specdec.api as api
+
+    original = api.load_causal_lm
+    api.load_causal_lm = lambda path, dtype, device: model
+    try:
+        return api.LLM(str(directory), dtype="bfloat16", device=DEVICE.type, speculative_config=speculative_config,
+                       engine={"kv_cache_memory_mb": KV_CACHE_MB, "max_num_tokens": 8192, **engine})
+    finally:
+        api.load_causal_lm = original
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+# -- generate ---------------------------------------------------------------------------
+
+
+def hf_generate(model, ids: list[list[int]], new: int) -> float:
+    from specdec.executor.model_runner import ATTENTION_NAME
+
+    model.set_attn_implementation("sdpa")
+    try:
+        x = torch.tensor(ids, device=DEVICE)
+        sync()
+        started = time.perf_counter()
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0)
+        sync()
+        elapsed = time.perf_counter() - started
+        assert out.shape[1] == x.shape[1] + new
+        return len(ids) * new / elapsed
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+def specdec_generate(llm, ids: list[list[int]], new: int) -> float:
+    from specdec import SamplingParams
+
+    sync()
+    started = time.perf_counter()
+    outs = llm.generate(ids, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+    sync()
+    elapsed = time.perf_counter() - started
+    assert all(len(o.token_ids) == new for o in outs)
+    return len(ids) * new / elapsed
+
+
+def part_generate(model, directory, args) -> list[dict]:
+    llm = build_llm(model, directory, max_batch_size=max(args.batches))
+    rows = []
+    for batch in args.batches:
+        ids = prompts(batch, args.prompt_len, model.config.vocab_size, batch)
+        hf_generate(model, ids, 8)  # warm-up: kernels compiled, allocator primed
+        specdec_generate(llm, ids, 8)
+        hf, spec = [], []
+        for _ in range(args.repeats):
+            hf.append(hf_generate(model, ids, args.new_tokens))
+            spec.append(specdec_generate(llm, ids, args.new_tokens))
+        rows.append({"batch": batch, "hf_tok_s": statistics.median(hf), "specdec_tok_s": statistics.median(spec),
+                     "ratio": statistics.median(s / h for s, h in zip(spec, hf))})
+        print(f"generate batch {batch}: HF {rows[-1]['hf_tok_s']:.1f} tok/s, specdec {rows[-1]['specdec_tok_s']:.1f}"
+              f" tok/s, ratio {rows[-1]['ratio']:.2f}", flush=True)
+    del llm
+    return rows
+
+
+# -- one forward ------------------------------------------------------------------------
+
+
+def step_runner(target, batch: int, context: int, tree: bool, block_size: int = 16):
+    """One forward of ``batch`` requests, each with ``context`` cached tokens and 1 new token
+    (decode) or a 16-node tree (verification)."""
+    from specdec.executor.model_runner import ForwardMetadata
+    from specdec.kernels import AttentionLayout, SequenceSlice
+    from specdec.kvcache import PagedKVCache
+    from specdec.tree import ancestor_mask, node_depths
+
+    per_seq = context // block_size + 2
+    cache = PagedKVCache(target.layer_shapes, per_seq * batch, block_size, target.dtype, target.device)
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    g = torch.Generator().manual_seed(0)
+    new = len(DRAFT_PARENTS) + 1 if tree else 1
+    mask = ancestor_mask(DRAFT_PARENTS) if tree else None
+    offsets = torch.tensor([0] + node_depths(DRAFT_PARENTS)) if tree else torch.zeros(1, dtype=torch.long)
+    # prefill every sequence's context
+    for b in range(batch):
+        ids = torch.randint(0, target.vocab_size, (context,), generator=g, device="cpu").to(target.device)
+        layout = AttentionLayout([SequenceSlice(block_table=tables[b], start=0, positions=torch.arange(context))],
+                                 block_size, target.device)
+        target.forward(ids, torch.arange(context, device=target.device), ForwardMetadata(cache=cache, layout=layout),
+                       torch.tensor([context - 1], device=target.device))
+    seqs = [SequenceSlice(block_table=tables[b], start=context, positions=context + offsets, tree_mask=mask)
+            for b in range(batch)]
+    ids = torch.randint(0, target.vocab_size, (batch * new,), generator=g).to(target.device)
+    positions = torch.cat([s.positions for s in seqs]).to(target.device)
+    rows = torch.arange(batch * new, device=target.device)  # verification reads every token's logits
+
+    def run():
+        # the layout is rebuilt each step, as the engine does
+        layout = AttentionLayout(seqs, block_size, target.device)
+        target.forward(ids, positions, ForwardMetadata(cache=cache, layout=layout), rows)
+
+    return run
+
+
+def wall_ms(run, steps: int) -> float:
+    run()
+    sync()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def kernel_ms(fn) -> float:
+    """Median time of ``fn`` (triton's do_bench on CUDA: device events, the L2 flushed between runs)."""
+    if DEVICE.type != "cuda":
+        return wall_ms(fn, 3)
+    import triton.testing
+
+    return triton.testing.do_bench(fn, return_mode="median")
+
+
+def graph_ms(fn, calls: int = 20) -> float:
+    """Device time of one call of ``fn`` with the host out of the way: ``calls`` calls
+    captured in a CUDA graph, the graph's replay timed with events (median of 10)."""
+    if DEVICE.type != "cuda":
+        return float("nan")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm: compiled, cached layout tensors built
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError as exc:  # a path that syncs with the host cannot be captured
+        print(f"  (not capturable: {str(exc).splitlines()[0][:100]})")
+        return float("nan")
+    times = []
+    for _ in range(10):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        sync()
+        times.append(begin.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def gpu_busy_ms(run) -> float:
+    """The GPU kernels' own time in one step (what remains if launch gaps vanished)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if DEVICE.type != "cuda":
+        return float("nan")
+    run()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        sync()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000
+
+
+def part_steps(model, directory, args) -> list[dict]:
+    llm = build_llm(model, directory, max_batch_size=max(args.batches))
+    target = llm.target
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    floor = weights / (args.bandwidth * 1e9) * 1000
+    print(f"weights streamed per forward {weights / 2**30:.2f} GiB: {floor:.2f} ms at {args.bandwidth:g} GB/s",
+          flush=True)
+    rows = []
+    for batch in args.batches:
+        row = {"batch": batch, "context": args.context, "floor_ms": floor}
+        for label, tree in (("decode", False), ("verify16", True)):
+            run = step_runner(target, batch, args.context, tree)
+            row[f"{label}_ms"] = wall_ms(run, args.steps)
+            row[f"{label}_gpu_ms"] = gpu_busy_ms(run)
+            del run
+            torch.cuda.empty_cache()
+        row["verify_over_decode"] = row["verify16_ms"] / row["decode_ms"]
+        rows.append(row)
+        print(f"steps batch {batch}: decode {row['decode_ms']:.2f} ms (GPU busy {row['decode_gpu_ms']:.2f}), "
+              f"verify16 {row['verify16_ms']:.2f} ms (GPU busy {row['verify16_gpu_ms']:.2f}), "
+              f"verify/decode {row['verify_over_decode']:.2f}, floor {floor:.2f} ms", flush=True)
+    del llm
+    return rows
+
+
+# -- attention alone --------------------------------------------------------------------
+
+
+def attention_case(heads: int, kv_heads: int, dim: int, context: int, batch: int, tree: bool, bandwidth: float,
+                   block_size: int = 16) -> dict:
+    """Time the paged attention of ``batch`` sequences of ``context`` cached tokens, each
+    with one new token (decode) or a 16-node tree, both paths, against the floor."""
+    from specdec.kernels import AttentionLayout, SequenceSlice
+    from specdec.kernels.attention import paged_attention_torch
+    from specdec.kernels.triton_kernels import paged_attention_triton
+    from specdec.tree import ancestor_mask, node_depths
+
+    new = len(DRAFT_PARENTS) + 1 if tree else 1
+    per_seq = (context + new) // block_size + 1
+    slots = per_seq * batch * block_size
+    keys = torch.randn(slots, kv_heads, dim, device=DEVICE, dtype=torch.bfloat16)
+    values = torch.randn(slots, kv_heads, dim, device=DEVICE, dtype=torch.bfloat16)
+    perm = torch.randperm(per_seq * batch).tolist()  # blocks scattered over the pool
+    mask = ancestor_mask(DRAFT_PARENTS) if tree else None
+    offsets = torch.tensor([0] + node_depths(DRAFT_PARENTS)) if tree else torch.zeros(1, dtype=torch.long)
+    seqs = [SequenceSlice(block_table=perm[b * per_seq:(b + 1) * per_seq], start=context,
+                          positions=context + offsets, tree_mask=mask) for b in range(batch)]
+    layout = AttentionLayout(seqs, block_size, DEVICE)
+    query = torch.randn(heads, batch * new, dim, device=DEVICE, dtype=torch.bfloat16)
+    scale = dim ** -0.5
+    ref = paged_attention_torch(query, keys, values, layout, scale).float()
+    got = paged_attention_triton(query, keys, values, layout, scale).float()
+    triton_call = lambda: paged_attention_triton(query, keys, values, layout, scale)  # noqa: E731
+    torch_call = lambda: paged_attention_torch(query, keys, values, layout, scale)  # noqa: E731
+    moved = batch * (context + new) * kv_heads * dim * 2 * 2 + 2 * query.numel() * 2
+    g_triton = graph_ms(triton_call)
+    floor = moved / (bandwidth * 1e9) * 1000
+    return {"context": context, "batch": batch, "kind": "tree16" if tree else "decode",
+            "triton_ms": kernel_ms(triton_call), "torch_ms": kernel_ms(torch_call), "triton_graph_ms": g_triton,
+            "torch_graph_ms": graph_ms(torch_call), "floor_ms": floor, "triton_of_floor": floor / g_triton,
+            "rel_err": float((got - ref).norm() / ref.norm())}
+
+
+def part_attention(model, args) -> list[dict]:
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    rows = []
+    for context in args.attention_contexts:
+        for batch in args.batches:
+            for tree in (False, True):
+                r = attention_case(heads, kv_heads, cfg.hidden_size // heads, context, batch, tree, args.bandwidth)
+                rows.append(r)
+                print(f"attention {r['kind']} ctx {context} batch {batch}: call triton {r['triton_ms'] * 1000:.1f} us, "
+                      f"torch {r['torch_ms'] * 1000:.1f} us; device triton {r['triton_graph_ms'] * 1000:.1f} us, "
+                      f"torch {r['torch_graph_ms'] * 1000:.1f} us; floor {r['floor_ms'] * 1000:.1f} us (triton at "
+                      f"{r['triton_of_floor']:.0%} of it), rel err {r['rel_err']:.1e}", flush=True)
+    return rows
+
+
+# -- EAGLE-3 step costs -----------------------------------------------------------------
+
+
+def random_eagle3_head(model, directory: Path) -> Path:
+    from specdec_eagle.checkpoint import default_capture_layers, head_config, save_head
+    from specdec_eagle.modules import Eagle3Head
+
+    cfg = model.config
+    draft_vocab = min(32000, cfg.vocab_size // 2)  # the reference drafts over 32k of Llama-3's 128k
+    head = Eagle3Head(head_config(cfg), cfg.hidden_size, 3, draft_vocab, cfg.vocab_size)
+    for p in head.parameters():
+        if p.dim() > 1:
+            p.data.normal_(0, 0.02)
+    head.set_draft_vocab(torch.arange(draft_vocab))
+    out = directory / "eagle3"
+    save_head(head, out, {}, default_capture_layers(cfg.num_hidden_layers))
+    return out
+
+
+def part_eagle3(model, directory, args) -> list[dict]:
+    head = random_eagle3_head(model, directory)
+    plain = build_llm(model, directory, max_batch_size=8)
+    spec = build_llm(model, directory, {"decoding_type": "eagle3", "speculative_model": str(head),
+                                        "max_draft_len": 3, "adaptive": False}, max_batch_size=8)
+    rows = []
+    for batch in (1, 8):
+        ids = prompts(batch, args.prompt_len, model.config.vocab_size, 100 + batch)
+        specdec_generate(plain, ids, 8)
+        specdec_generate(spec, ids, 8)
+        p_rates, s_rates = [], []
+        for _ in range(args.repeats):
+            p_rates.append(specdec_generate(plain, ids, args.new_tokens))
+            s_rates.append(specdec_generate(spec, ids, args.new_tokens))
+        plain_step = batch / statistics.median(p_rates)  # seconds per token per request = per step
+        spec_step = batch / statistics.median(s_rates)
+        rows.append({"batch": batch, "plain_tok_s": statistics.median(p_rates),
+                     "eagle3_tok_s_no_acceptance": statistics.median(s_rates),
+                     "plain_step_ms": plain_step * 1000, "eagle3_step_ms": spec_step * 1000,
+                     "breakeven_tau": spec_step / plain_step})
+        print(f"eagle3 batch {batch}: plain {plain_step * 1000:.2f} ms/step, eagle3 chain-3 step "
+              f"{spec_step * 1000:.2f} ms (draft 3 + verify 4, random head: nothing accepted); speedup at tau = "
+              f"tau / {spec_step / plain_step:.2f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
+    p.add_argument("--parts", default="generate,steps,attention,eagle3")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--attention-contexts", default="1024,4096")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--bandwidth", type=float, default=3000.0, help="GB/s for the floors (measured copy rate)")
+    p.add_argument("--json", help="write every row here")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--kv-cache-mb", type=int, default=12288, help="each engine's KV cache")
+    args = p.parse_args()
+    global DEVICE, KV_CACHE_MB
+    DEVICE = torch.device(args.device)
+    KV_CACHE_MB = args.kv_cache_mb
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.attention_contexts = [int(c) for c in args.attention_contexts.split(",")]
+    parts = args.parts.split(",")
+    name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
+    print(f"# {name}, torch {torch.__version__}, shape {args.shape}, bfloat16", flush=True)
+    results: dict = {"device": name, "shape": args.shape, "args": vars(args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        model = random_model(args.shape, directory, torch.bfloat16)
+        for part in parts:
+            if part == "generate":
+                results["generate"] = part_generate(model, directory, args)
+            elif part == "steps":
+                results["steps"] = part_steps(model, directory, args)
+            elif part == "attention":
+                results["attention"] = part_attention(model, args)
+            elif part == "eagle3":
+                results["eagle3"] = part_eagle3(model, directory, args)
+            else:
+                raise SystemExit(f"unknown part {part!r}")
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
