@@ -25,6 +25,7 @@ CASES = [  # heads, kv_heads, dim, block size, sequences, window, softcap
     # contexts long enough for the kernel to cut the keys in splits and combine them
     (8, 2, 32, 32, [(700, 1, False), (300, 6, True), (5, 2, False)], None, None),
     (4, 1, 32, 32, [(600, 3, True), (40, 1, False)], 100, None),
+    (4, 2, 16, 32, [(520, 5, True), (3, 1, False)], None, 30.0),
 ]
 
 

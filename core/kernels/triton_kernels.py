@@ -4,6 +4,7 @@ dispatches: Triton on CUDA, torch elsewhere); CPU tests run these under TRITON_I
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -119,10 +120,17 @@ def _combine_splits_kernel(M_part, L_part, O_part, O, num_splits, heads, stride_
 
 #: the Triton interpreter (CPU tests) multiplies bfloat16 tiles wrongly (triton 3.9): dots in float32 there
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-#: programs a launch should have to keep every multiprocessor of a large GPU busy
-_TARGET_PROGRAMS = 264
 #: a key split is never shorter than this
 _MIN_SPLIT = 256
+
+
+@functools.cache
+def _target_programs(device: torch.device) -> int:
+    """Programs a launch should have to keep every multiprocessor busy: two per
+    multiprocessor (264 on an H100; the same figure stands in under the interpreter)."""
+    if device.type != "cuda":
+        return 264
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _attention_plan(layout, rep: int, kv_heads: int) -> dict:
@@ -139,7 +147,8 @@ def _attention_plan(layout, rep: int, kv_heads: int) -> dict:
                 tile_row.append(r0)
         longest = max(s.start + len(s.positions) for s in layout.seqs)
         work = len(tile_seq) * kv_heads
-        splits = max(1, min(-(-_TARGET_PROGRAMS // max(work, 1)), -(-longest // _MIN_SPLIT)))
+        programs = _target_programs(torch.device(layout.device))
+        splits = max(1, min(-(-programs // max(work, 1)), -(-longest // _MIN_SPLIT)))
         split_len = -(-longest // splits)
         split_len = -(-split_len // 64) * 64  # whole key blocks per split
         splits = -(-longest // split_len)
