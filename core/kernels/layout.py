@@ -247,23 +247,23 @@ class AttentionLayout:
 
     @cached_property
     def kernel_tensors(self) -> dict[str, torch.Tensor]:
-        """Block tables, per-token sequence index and new-token index, and padded tree masks."""
+        """Per sequence: block table, committed tokens (``starts``), new tokens (``num_new``)
+        and the packed index of its first new token (``first_token``); per token: its tree
+        mask row over its sequence's new tokens (padded)."""
         width = max(len(s.block_table) for s in self.seqs)
         max_new = max(len(s.positions) for s in self.seqs)
         tables = torch.zeros(len(self.seqs), width, dtype=torch.int32)
         trees = torch.zeros(self.num_tokens, max_new, dtype=torch.int8)
-        seq_of, new_index, starts, num_new = [], [], [], []
+        first, starts, num_new = [], [], []
         row = 0
         for i, s in enumerate(self.seqs):
             n = len(s.positions)
             tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
             trees[row:row + n, :n] = self._tree(s).to(torch.int8)
-            seq_of += [i] * n
-            new_index += list(range(n))
+            first.append(row)
             starts.append(s.start)
             num_new.append(n)
             row += n
         to = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
         return {"block_tables": tables.to(self.device), "tree_mask": trees.to(self.device),
-                "seq_of_token": to(seq_of), "new_index": to(new_index), "starts": to(starts),
-                "num_new": to(num_new), "max_new": max_new}
+                "first_token": to(first), "starts": to(starts), "num_new": to(num_new)}

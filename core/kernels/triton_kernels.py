@@ -120,6 +120,8 @@ def _combine_splits_kernel(M_part, L_part, O_part, O, num_splits, heads, stride_
 
 #: the Triton interpreter (CPU tests) multiplies bfloat16 tiles wrongly (triton 3.9): dots in float32 there
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+#: keys per block of the paged attention's loop (a split is a whole number of them)
+_BLOCK_N = 64
 #: a key split is never shorter than this
 _MIN_SPLIT = 256
 
@@ -150,14 +152,11 @@ def _attention_plan(layout, rep: int, kv_heads: int) -> dict:
         programs = _target_programs(torch.device(layout.device))
         splits = max(1, min(-(-programs // max(work, 1)), -(-longest // _MIN_SPLIT)))
         split_len = -(-longest // splits)
-        split_len = -(-split_len // 64) * 64  # whole key blocks per split
+        split_len = -(-split_len // _BLOCK_N) * _BLOCK_N  # whole key blocks per split
         splits = -(-longest // split_len)
         to = lambda x: torch.tensor(x, dtype=torch.int32, device=layout.device)  # noqa: E731
-        first = [0]
-        for s in layout.seqs[:-1]:
-            first.append(first[-1] + len(s.positions))
-        layout.kernel_cache[key] = {"tile_seq": to(tile_seq), "tile_row": to(tile_row), "first_token": to(first),
-                                    "block_m": block_m, "splits": splits, "split_len": split_len}
+        layout.kernel_cache[key] = {"tile_seq": to(tile_seq), "tile_row": to(tile_row), "block_m": block_m,
+                                    "splits": splits, "split_len": split_len}
     return layout.kernel_cache[key]
 
 
@@ -180,13 +179,13 @@ def paged_attention_triton(query, key_pool, value_pool, layout, scale, sliding_w
     grid = (len(plan["tile_seq"]), kv_heads, splits)
     _paged_attention_kernel[grid](
         query, key_pool, value_pool, out, m_part, l_part, o_part, kt["block_tables"], kt["tree_mask"],
-        plan["first_token"], kt["starts"], kt["num_new"], plan["tile_seq"], plan["tile_row"], layout.query_positions,
+        kt["first_token"], kt["starts"], kt["num_new"], plan["tile_seq"], plan["tile_row"], layout.query_positions,
         query.stride(1), query.stride(0), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
         value_pool.stride(1), out.stride(0), out.stride(1), kt["block_tables"].stride(0), kt["tree_mask"].stride(0),
         tokens * heads, heads, float(scale), float(softcap or 1.0), int(sliding_window or 0), rep, layout.block_size,
         plan["split_len"], dim, dim_v, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=bool(sliding_window),
-        SPLIT=splits > 1, DOT_F32=query.dtype == torch.float32 or _INTERPRETED, BLOCK_M=plan["block_m"], BLOCK_N=64,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_DV=block_dv)
+        SPLIT=splits > 1, DOT_F32=query.dtype == torch.float32 or _INTERPRETED, BLOCK_M=plan["block_m"],
+        BLOCK_N=_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_DV=block_dv)
     if splits > 1:
         _combine_splits_kernel[(tokens, heads)](m_part, l_part, o_part, out, splits, heads, tokens * heads, heads,
                                                 out.stride(0), out.stride(1), dim_v, BLOCK_DV=block_dv)
