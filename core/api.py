@@ -14,6 +14,7 @@ from .errors import ModelLoadError, RequestError
 from .executor.engine import Engine
 from .executor.metrics import RequestMetrics
 from .executor.model_runner import TargetModel
+from .kernels import prepack_linears
 from .models import gguf_file, load_causal_lm, load_tokenizer, model_display_name, resolve_model_dir
 from .quantization import quantize_target
 from .plugins import drafter_plugin_manager, get_registry
@@ -91,6 +92,9 @@ class LLM:
         hooks = self.drafter = None
         if spec is not None:
             self.drafter = registry.create_drafter(spec, self.target)
+            if config.engine.prepack_weights and hasattr(self.drafter, "draft_modules"):
+                for module in self.drafter.draft_modules():
+                    prepack_linears(module)
             hooks = drafter_plugin_manager(self.drafter, spec.decoding_type)
         self.engine = Engine(self.target, config.engine, spec, hooks, seed=seed)
 

@@ -156,14 +156,23 @@ def load_draft_vocab(directory: Path, vocab_size: int) -> torch.Tensor | None:
     return ids
 
 
-def restricted_head(weight: torch.Tensor, directory: Path, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(rows, draft_to_target)``: an LM head's rows over the drafting vocabulary saved in
-    ``directory`` (the tokens a drafter was trained on: the other rows cost time every draft
-    step and are rarely right) and that vocabulary's target ids; the whole head and None
-    where the directory has no vocabulary."""
+def restricted_head(head: torch.nn.Module, directory: Path, vocab_size: int) -> tuple[torch.nn.Module,
+                                                                                     torch.Tensor | None]:
+    """``(projection, draft_to_target)``: an LM head narrowed to the drafting vocabulary
+    saved in ``directory`` (the tokens a drafter was trained on: the other rows cost time
+    every draft step and are rarely right) and that vocabulary's target ids; ``head`` itself
+    and None where the directory has no vocabulary."""
     vocab = load_draft_vocab(directory, vocab_size)
-    weight = weight.detach()
     if vocab is None:
-        return weight, None
-    vocab = vocab.to(weight.device)
-    return weight[vocab], vocab
+        return head, None
+    vocab = vocab.to(head.weight.device)
+    return head_rows(head.weight, vocab), vocab
+
+
+def head_rows(weight: torch.Tensor, token_ids: torch.Tensor) -> torch.nn.Linear:
+    """A frozen bias-free linear layer over the rows ``token_ids`` of an LM head ``weight``
+    (a module, so that the engine can prepack it like the drafter's other layers)."""
+    rows = weight.detach()[token_ids]
+    layer = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+    layer.weight = torch.nn.Parameter(rows, requires_grad=False)
+    return layer

@@ -185,3 +185,9 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig, target: TargetModel):
         self.config = config
         self.target = target
+
+    def draft_modules(self) -> list[torch.nn.Module]:
+        """The modules this drafter runs, whose bfloat16 linear layers the engine prepacks on
+        CPU (``engine.prepack_weights``): by default every ``nn.Module`` attribute. Never
+        trained in place once drafting has started (the packed copies would go stale)."""
+        return [value for value in vars(self).values() if isinstance(value, torch.nn.Module)]

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from torch import nn
 
 from .draft_checkpoint import restricted_head
 from .drafting import Drafter
@@ -32,13 +31,13 @@ class LastStateDrafter(Drafter):
     def share_target_head(self, directory: Path) -> None:
         """Read logits through the target's LM head, over the drafting vocabulary saved in
         ``directory`` (``draft_vocab.safetensors``; all tokens without one)."""
-        self._head_weight, self.draft_to_target = restricted_head(self.target.parts.lm_head.weight, directory,
-                                                                  self.target.vocab_size)
+        self.head_projection, self.draft_to_target = restricted_head(self.target.parts.lm_head, directory,
+                                                                     self.target.vocab_size)
 
     def target_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the drafting vocabulary of states ``[..., hidden]`` (after
         :meth:`share_target_head`)."""
-        return nn.functional.linear(hidden, self._head_weight)
+        return self.head_projection(hidden)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of drafting-vocabulary indices."""

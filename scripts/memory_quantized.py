@@ -1,7 +1,8 @@
 """Resident memory of the embedded model as a target in bfloat16, int8 and int4, each in
 its own process: after the imports, after building ``LLM`` (peak and steady) and after a
 32-token answer, with a 16 MiB KV cache so the weights dominate (BENCHMARKS.md,
-"Quantized targets").
+"Quantized targets"). ``bfloat16-stock`` is bfloat16 with ``engine.prepack_weights`` off
+(no second, oneDNN-packed copy of the linear weights).
 
     .venv/bin/python scripts/memory_quantized.py
 """
@@ -18,7 +19,7 @@ def status() -> dict[str, float]:
     return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
 
 
-def measure(mode: str | None) -> dict:
+def measure(mode: str) -> dict:
     import torch
 
     from specdec import LLM, SamplingParams
@@ -26,7 +27,9 @@ def measure(mode: str | None) -> dict:
 
     torch.set_num_threads(2)
     imports = status()
-    llm = LLM(dtype="bfloat16", engine={"quantization": mode, "kv_cache_memory_mb": 16})
+    quantization = mode if mode in ("int8", "int4") else None
+    llm = LLM(dtype="bfloat16", engine={"quantization": quantization, "kv_cache_memory_mb": 16,
+                                        "prepack_weights": mode != "bfloat16-stock"})
     loaded = status()
     llm.chat([[{"role": "user", "content": "Name three rivers."}]], SamplingParams(max_tokens=32, temperature=0))
     answered = status()
@@ -37,10 +40,10 @@ def measure(mode: str | None) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1:
-        print(json.dumps(measure(None if sys.argv[1] == "bfloat16" else sys.argv[1])))
+        print(json.dumps(measure(sys.argv[1])))
         return
     rows = {}
-    for mode in ("bfloat16", "int8", "int4"):
+    for mode in ("bfloat16", "bfloat16-stock", "int8", "int4"):
         out = subprocess.run([sys.executable, __file__, mode], capture_output=True, text=True, check=True).stdout
         rows[mode] = json.loads(out.strip().splitlines()[-1])
     base = rows["bfloat16"]

@@ -26,7 +26,7 @@ from specdec.kvcache import PagedKVCache
 from specdec.quantization import weight_bytes
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",
-          "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
+          "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
              "aten::softmax", "aten::_softmax", "aten::index_copy_", "aten::index_select")
 
@@ -74,7 +74,7 @@ def profile_split(run) -> dict[str, float]:
         wall = time.perf_counter() - started
     split = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
     for event in prof.key_averages():
-        if not event.key.startswith("aten::"):
+        if not event.key.startswith(("aten::", "mkldnn::")):
             continue
         kind = "matmul" if event.key in MATMUL else "attention" if event.key in ATTENTION else "other ops"
         split[kind] += event.self_cpu_time_total / 1e6
@@ -87,12 +87,14 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", choices=["int8", "int4"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-prepack", action="store_true", help="engine.prepack_weights off (stock F.linear)")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--bandwidth", type=float, default=12.0, help="memory bandwidth in GB/s for the floor")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(dtype=args.dtype, engine={"quantization": args.quantization, "kv_cache_blocks": 1})
+    llm = LLM(dtype=args.dtype, engine={"quantization": args.quantization, "kv_cache_blocks": 1,
+                                        "prepack_weights": not args.no_prepack})
     model = llm.target.model
     tensors = lambda m: [t for t in list(m.parameters()) + list(m.buffers()) if t is not None]  # noqa: E731
     head = {t.data_ptr() for t in tensors(model.get_output_embeddings())}

@@ -47,11 +47,14 @@ def test_a_scale_without_its_matrix_is_named(tmp_path):
 def test_restricted_head_takes_the_rows_of_the_drafting_vocabulary(tmp_path):
     from specdec.draft_checkpoint import restricted_head, save_draft_vocab
 
-    weight = torch.randn(50, 8)
-    rows, vocab = restricted_head(weight, tmp_path, 50)
-    assert vocab is None and torch.equal(rows, weight)
+    head = torch.nn.Linear(8, 50, bias=False)
+    projection, vocab = restricted_head(head, tmp_path, 50)
+    assert vocab is None and projection is head
     save_draft_vocab(tmp_path, torch.tensor([7, 3, 49]))
-    rows, vocab = restricted_head(weight, tmp_path, 50)
-    assert vocab.tolist() == [7, 3, 49] and torch.equal(rows, weight[[7, 3, 49]])
+    projection, vocab = restricted_head(head, tmp_path, 50)
+    assert vocab.tolist() == [7, 3, 49] and torch.equal(projection.weight, head.weight[[7, 3, 49]])
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(projection(x), head(x)[:, [7, 3, 49]])
+    assert not projection.weight.requires_grad
     with pytest.raises(ModelLoadError, match=r"ids must lie in 0..39"):
-        restricted_head(weight[:40], tmp_path, 40)
+        restricted_head(torch.nn.Linear(8, 40, bias=False), tmp_path, 40)

@@ -99,7 +99,7 @@ class Engine:
         self.planner = (DraftPlanner(spec.nodes_for_depth, spec.probe_interval)
                         if spec is not None and spec.is_adaptive else None)
         # the torch reference pads a batch's sequences to the widest; the paged kernel does not
-        target.set_batch_invariant(config.batch_invariant)
+        target.set_linear_forwards(config.batch_invariant, config.prepack_weights)
         self._padded_attention = not use_triton(torch.empty(0, device=target.device), "paged_attention_triton")
         self._warned: set[str] = set()
         #: drafter faults by kind (the requests' ``num_drafter_faults`` summed).

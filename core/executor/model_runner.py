@@ -15,7 +15,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..kernels import AttentionLayout, invariant_attention, make_linear_invariant, paged_attention, restore_linear
+from ..kernels import (AttentionLayout, invariant_attention, make_linear_invariant, paged_attention, prepack_linear,
+                       restore_linear)
 from ..kvcache import PagedKVCache
 
 ATTENTION_NAME = "specdec_paged"
@@ -164,13 +165,18 @@ class TargetModel:
         return probe_kv_shapes(lambda meta: self.model(input_ids=one, position_ids=one, use_cache=False,
                                                        logits_to_keep=1, specdec=meta), type(self.model).__name__)
 
-    def set_batch_invariant(self, on: bool) -> None:
-        """Give every linear layer a forward whose result for a row does not depend on the
-        other rows (:func:`specdec.kernels.make_linear_invariant`), or the stock one back.
-        The attention half of the mode is :attr:`ForwardMetadata.batch_invariant`."""
+    def set_linear_forwards(self, batch_invariant: bool, prepack: bool) -> None:
+        """Choose every linear layer's forward: batch-invariant
+        (:func:`specdec.kernels.make_linear_invariant`) where ``batch_invariant`` asks and the
+        stock product is not already, else on its weight prepacked for oneDNN where
+        ``prepack`` asks and that is exact (:func:`specdec.kernels.prepack_linear`), else
+        the stock one. The attention half of the invariant mode is
+        :attr:`ForwardMetadata.batch_invariant`."""
         for module in self.model.modules():
             if isinstance(module, torch.nn.Linear):
-                (make_linear_invariant if on else restore_linear)(module)
+                restore_linear(module)
+                if not (batch_invariant and make_linear_invariant(module)) and prepack:
+                    prepack_linear(module)
 
     @property
     def parts(self) -> TargetParts:

@@ -15,6 +15,7 @@ from .attention import paged_attention_torch
 from .invariant import invariant_attention_torch, make_linear_invariant, restore_linear
 from .kv_copy import copy_kv_slots_torch
 from .layout import AttentionLayout, SequenceSlice
+from .prepacked import prepack_linear, prepack_linears
 from .verify import chain_rejection_torch, greedy_tree_verify_torch
 
 log = logging.getLogger(__name__)
@@ -107,4 +108,5 @@ def chain_rejection(p, *args):
 
 
 __all__ = ["AttentionLayout", "KernelError", "SequenceSlice", "chain_rejection", "copy_kv_slots", "greedy_tree_verify",
-           "invariant_attention", "make_linear_invariant", "paged_attention", "restore_linear", "use_triton"]
+           "invariant_attention", "make_linear_invariant", "paged_attention", "prepack_linear", "prepack_linears",
+           "restore_linear", "use_triton"]

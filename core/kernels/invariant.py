@@ -39,6 +39,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from .prepacked import can_prepack, pack_weight, packed_linear
+
 log = logging.getLogger(__name__)
 
 #: key rows are padded to a multiple of this, and values are summed a block of this many
@@ -95,7 +97,7 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> torch.Tensor:
     if parts == 1:
-        return F.linear(x, weight, bias)
+        return packed_linear(x, weight, bias) if weight.is_mkldnn else F.linear(x, weight, bias)
     products = torch.bmm(x.view(len(x), parts, -1).transpose(0, 1), weight)
     acc = products[0].float()
     for part in products[1:]:
@@ -144,13 +146,19 @@ def linear_plan(weight: torch.Tensor) -> LinearPlan:
     return _linear_plan(weight.shape[0], weight.shape[1], weight.dtype, weight.device.type, torch.get_num_threads())
 
 
-def make_linear_invariant(module: torch.nn.Linear) -> None:
-    """Give ``module`` a batch-invariant forward (undo with :func:`restore_linear`)."""
+def make_linear_invariant(module: torch.nn.Linear) -> bool:
+    """Give ``module`` a batch-invariant forward (undo with :func:`restore_linear`); False
+    where its stock forward already is (and is left in place). A one-part plan multiplies
+    by the weight prepacked for oneDNN where that is exact (:mod:`.prepacked`)."""
     plan = linear_plan(module.weight)
     if plan.is_stock:
-        return
-    weight = split_weight(module.weight, plan.parts) if plan.parts > 1 else module.weight
+        return False
+    if plan.parts > 1:
+        weight = split_weight(module.weight, plan.parts)
+    else:
+        weight = pack_weight(module.weight) if can_prepack(module.weight) else module.weight
     module.forward = functools.partial(planned_linear, weight=weight, bias=module.bias, plan=plan)
+    return True
 
 
 def restore_linear(module: torch.nn.Linear) -> None:

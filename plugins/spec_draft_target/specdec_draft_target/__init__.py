@@ -28,7 +28,7 @@ import torch
 
 from specdec import DecodingType, Drafter, DraftProposal, TargetModel, hookimpl
 from specdec.config import SpeculativeConfig, in_range
-from specdec.draft_checkpoint import SECTION, check_target, load_draft_vocab, read_config
+from specdec.draft_checkpoint import SECTION, check_target, head_rows, load_draft_vocab, read_config
 from specdec.draft_runner import DraftInput, DraftRunner, causal_lm_forward
 from specdec.errors import ModelLoadError
 from specdec.models import EMBEDDED_NAME, load_causal_lm, load_tokenizer, resolve_model_dir
@@ -97,14 +97,16 @@ def load_draft(config: DraftTargetConfig, target: TargetModel) -> tuple[torch.nn
 class DraftTargetDrafter(Drafter):
     def __init__(self, config: DraftTargetConfig, target: TargetModel):
         super().__init__(config, target)
-        model, self.draft_vocab = load_draft(config, target)
-        head = model.get_output_embeddings().weight
-        self.head_weight = head if self.draft_vocab is None else head[self.draft_vocab.to(head.device)]
-        self.runner = DraftRunner.for_module(causal_lm_forward(model), config.draft_kv_cache_blocks, 16,
+        self.model, self.draft_vocab = load_draft(config, target)
+        head = self.model.get_output_embeddings()
+        if self.draft_vocab is not None:
+            head = head_rows(head.weight, self.draft_vocab.to(head.weight.device))
+        self.head = head
+        self.runner = DraftRunner.for_module(causal_lm_forward(self.model), config.draft_kv_cache_blocks, 16,
                                              target.dtype, target.device)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.head_weight.T).float()
+        return self.head(hidden).float()
 
     @hookimpl
     def prepare_draft_tokens(self, requests, draft_lens):

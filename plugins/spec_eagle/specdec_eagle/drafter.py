@@ -33,10 +33,7 @@ class EagleDrafter(FeatureDrafter):
         if head.embed_tokens is None:
             head.embed_tokens = parts.embed_tokens
         if self.generation == 1:
-            head.lm_head = parts.lm_head
-            rows, vocab = restricted_head(parts.lm_head.weight, directory, target.vocab_size)
-            if vocab is not None:
-                head.restrict_vocab(rows, vocab)
+            head.lm_head, head.draft_to_target = restricted_head(parts.lm_head, directory, target.vocab_size)
         self.head = head.to_serving(target.device, target.dtype).eval()
         self.draft_to_target = head.draft_to_target
         self.tree = StaticTree.from_choices(config.eagle_choices) if config.eagle_choices else None

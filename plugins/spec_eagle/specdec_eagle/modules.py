@@ -154,13 +154,9 @@ class Eagle1Head(EagleHead):
         super().__init__(cfg)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList([EagleDecoderLayer(cfg, cfg.hidden_size)])
-        self.lm_head: nn.Module | None = None  # the target's
-        self.head_rows: torch.Tensor | None = None
-
-    def restrict_vocab(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Draft over ``token_ids`` only, through ``rows``, the target's LM head rows of those
-        tokens (:func:`specdec.draft_checkpoint.restricted_head`)."""
-        self.head_rows, self.draft_to_target = rows, token_ids
+        #: the target's LM head, or its rows over the drafting vocabulary
+        #: (:func:`specdec.draft_checkpoint.restricted_head`)
+        self.lm_head: nn.Module | None = None
 
     @property
     def layer(self) -> EagleDecoderLayer:
@@ -174,7 +170,7 @@ class Eagle1Head(EagleHead):
         return x, x
 
     def logits(self, hidden):
-        return self.lm_head(hidden) if self.head_rows is None else hidden @ self.head_rows.T
+        return self.lm_head(hidden)
 
 
 class Eagle3Head(EagleHead):

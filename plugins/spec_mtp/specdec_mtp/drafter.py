@@ -4,7 +4,6 @@ autoregressively, each step reading the ``h'`` of the step before."""
 
 from __future__ import annotations
 
-import torch
 
 from specdec.draft_checkpoint import restricted_head
 from specdec.executor.model_runner import ATTENTION_NAME
@@ -28,7 +27,7 @@ class MTPDrafter(FeatureDrafter):
         self.embed = parts.embed_tokens
         self.rotary = parts.rotary_emb
         head = module.shared_head.head if module.shared_head.head is not None else parts.lm_head
-        self._head_weight, self.draft_to_target = restricted_head(head.weight, self.directory, target.vocab_size)
+        self.head_projection, self.draft_to_target = restricted_head(head, self.directory, target.vocab_size)
         self.start_runner(target.hidden_size, config.draft_kv_cache_blocks)
 
     def draft_forward(self, input_ids, positions, meta, feature):
@@ -37,4 +36,4 @@ class MTPDrafter(FeatureDrafter):
         return self.module(emb, feature[None], rope, positions[None], specdec=meta)[0]
 
     def head_logits(self, hidden):
-        return torch.nn.functional.linear(hidden, self._head_weight)
+        return self.head_projection(hidden)
