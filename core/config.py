@@ -171,7 +171,7 @@ class EngineConfig:
             speculative output equals its own plain output.
         prepack_weights: bfloat16 linear layers on CPU multiply by weights reordered once
             into oneDNN's layout instead of at every call (:mod:`specdec.kernels.prepacked`):
-            bit-identical results, 1.3-2.5x faster products, one more copy of those weights
+            bit-identical results, 1.2-2.4x faster products, one more copy of those weights
             in memory (the originals stay for drafters). No effect on other dtypes and devices.
     """
 

@@ -148,7 +148,7 @@ def linear_plan(weight: torch.Tensor) -> LinearPlan:
 
 def make_linear_invariant(module: torch.nn.Linear) -> bool:
     """Give ``module`` a batch-invariant forward (undo with :func:`restore_linear`); False
-    where its stock forward already is (and is left in place). A one-part plan multiplies
+    where its stock forward is invariant already (and is left in place). A one-part plan multiplies
     by the weight prepacked for oneDNN where that is exact (:mod:`.prepacked`)."""
     plan = linear_plan(module.weight)
     if plan.is_stock:
