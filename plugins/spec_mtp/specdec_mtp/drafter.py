@@ -4,7 +4,6 @@ autoregressively, each step reading the ``h'`` of the step before."""
 
 from __future__ import annotations
 
-
 from specdec.draft_checkpoint import restricted_head
 from specdec.executor.model_runner import ATTENTION_NAME
 from specdec.feature_drafter import FeatureDrafter
