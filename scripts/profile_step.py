@@ -31,7 +31,7 @@ ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_
              "aten::softmax", "aten::_softmax", "aten::index_copy_", "aten::index_select")
 
 
-def step_runner(llm: LLM, context: int, new: int, block_size: int = 16):
+def step_runner(llm: LLM, context: int, new: int, block_size: int = 16, batch_invariant: bool = False):
     """A function running one forward of ``new`` tokens after ``context`` cached ones."""
     target = llm.target
     blocks = (context + new) // block_size + 2
@@ -43,7 +43,8 @@ def step_runner(llm: LLM, context: int, new: int, block_size: int = 16):
     def layout(start: int, count: int) -> ForwardMetadata:
         positions = torch.arange(start, start + count)
         return ForwardMetadata(cache=cache, layout=AttentionLayout(
-            [SequenceSlice(block_table=table, start=start, positions=positions)], block_size, target.device))
+            [SequenceSlice(block_table=table, start=start, positions=positions)], block_size, target.device),
+            batch_invariant=batch_invariant)
 
     target.forward(ids[:context], torch.arange(context), layout(0, context), torch.tensor([context - 1]))
     rows = torch.arange(new)  # every new token's logits, as verification needs
@@ -64,7 +65,7 @@ def time_step(run, steps: int) -> float:
     return statistics.median(times)
 
 
-def profile_split(run) -> dict[str, float]:
+def profile_split(run, top: int = 0) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -79,6 +80,8 @@ def profile_split(run) -> dict[str, float]:
         kind = "matmul" if event.key in MATMUL else "attention" if event.key in ATTENTION else "other ops"
         split[kind] += event.self_cpu_time_total / 1e6
     split["python and dispatch"] = max(wall - sum(split.values()), 0.0)
+    if top:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
     return {"profiled wall": wall, **split}
 
 
@@ -88,13 +91,16 @@ def main() -> None:
     p.add_argument("--quantization", choices=["int8", "int4"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-prepack", action="store_true", help="engine.prepack_weights off (stock F.linear)")
+    p.add_argument("--batch-invariant", action="store_true", help="engine.batch_invariant on")
+    p.add_argument("--top", type=int, default=0, help="also print the N operations that took most time")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--bandwidth", type=float, default=12.0, help="memory bandwidth in GB/s for the floor")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(dtype=args.dtype, engine={"quantization": args.quantization, "kv_cache_blocks": 1,
-                                        "prepack_weights": not args.no_prepack})
+                                        "prepack_weights": not args.no_prepack,
+                                        "batch_invariant": args.batch_invariant})
     model = llm.target.model
     tensors = lambda m: [t for t in list(m.parameters()) + list(m.buffers()) if t is not None]  # noqa: E731
     head = {t.data_ptr() for t in tensors(model.get_output_embeddings())}
@@ -106,9 +112,9 @@ def main() -> None:
           f"{args.threads} threads, context {args.context}: weights streamed per forward "
           f"{streamed / 2**20:.0f} MiB, {floor * 1000:.1f} ms at {args.bandwidth:g} GB/s")
     for label, new in (("decode (1 token)", 1), ("verify (16 tokens)", 16)):
-        run = step_runner(llm, args.context, new)
+        run = step_runner(llm, args.context, new, batch_invariant=args.batch_invariant)
         wall = time_step(run, args.steps)
-        split = profile_split(run)
+        split = profile_split(run, args.top)
         parts = ", ".join(f"{k} {v * 1000:.1f}" for k, v in split.items())
         print(f"{label:<20} {wall * 1000:6.1f} ms/step ({wall / floor:.2f}x the floor); profiled ms: {parts}")
 
