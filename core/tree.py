@@ -18,6 +18,7 @@ import torch
 from .drafting import DraftProposal, TreeMask
 from .errors import FieldError
 from .hookspecs import hookimpl
+from .kernels.layout import causal_mask
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
@@ -47,7 +48,7 @@ def default_tree_mask(proposal: DraftProposal) -> TreeMask:
         raise ValueError("a proposal with aux tokens needs its drafter to implement build_tree_mask")
     n = len(proposal.token_ids)
     if proposal.is_chain:
-        mask = torch.ones(n + 1, n + 1, dtype=torch.bool).tril_()
+        mask = causal_mask(n + 1)
         offsets = torch.arange(n + 1)
     else:
         mask = _cached_mask(tuple(proposal.parents))

@@ -62,7 +62,7 @@ CUDA_CHUNK_ROWS = 64
 class LinearPlan:
     """How to run one linear shape batch-invariantly: rows padded to a multiple of
     ``row_multiple``; the input dimension cut in ``parts`` equal slices whose products
-    (computed in one call, :func:`plan_weight`) are added in float32 in a fixed order; with ``chunk``, rows are
+    (:func:`plan_weight`) are added in float32 in a fixed order; with ``chunk``, rows are
     padded to a multiple of it and multiplied ``chunk`` rows per call."""
 
     row_multiple: int
@@ -74,24 +74,21 @@ class LinearPlan:
         return self.row_multiple == 1 and self.parts == 1 and not self.chunk
 
 
-def plan_weight(weight: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
+def plan_weight(weight: torch.Tensor, plan: LinearPlan) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``weight`` (``[out, in]``) as :func:`planned_linear` multiplies by it under ``plan``.
 
     One part: the weight itself, or prepacked for oneDNN where that is exact
-    (:mod:`.prepacked`). Several parts: the slices stacked ``[parts * out, in / parts]``
-    and prepacked where that is exact (bfloat16 on the CPU), so that the input folded to
-    ``parts`` rows per row multiplies by all of them in one product that streams the weight
-    once. That product also computes the unneeded cross terms (input slice ``i`` by weight
-    slice ``j``): extra arithmetic, cheap where a step is bound by weight streaming, and
-    faster than ``parts`` unpacked products in one ``bmm`` (one row through the embedded
-    model's 1536 -> 576 projection, 2 threads: 173 against 293 us; the stock, not
-    invariant, product 129 us). Elsewhere ``[parts, in / parts, out]`` for that ``bmm``."""
+    (:mod:`.prepacked`). Several parts: each slice ``[out, in / parts]`` prepacked where that
+    is exact (bfloat16 on the CPU), one product per slice; else ``[parts, in / parts, out]``
+    for one batched ``bmm`` (which reorders the weight at every call: through the embedded
+    model's 1536 -> 576 projection, 2 threads, 206 against 166 us at one row, 337 against 213
+    at 16; the stock, not invariant, product takes 113 and 154)."""
     if plan.parts == 1:
         return pack_weight(weight) if can_prepack(weight) else weight
-    out_features, in_features = weight.shape
-    slices = weight.detach().view(out_features, plan.parts, in_features // plan.parts)
-    folded = slices.transpose(0, 1).reshape(plan.parts * out_features, -1)
-    return pack_weight(folded) if can_prepack(folded) else slices.permute(1, 2, 0).contiguous()
+    slices = weight.detach().view(weight.shape[0], plan.parts, -1)
+    if can_prepack(slices[:, 0]):
+        return tuple(pack_weight(slices[:, i].contiguous()) for i in range(plan.parts))
+    return slices.permute(1, 2, 0).contiguous()
 
 
 def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan) -> torch.Tensor:
@@ -111,12 +108,14 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.view(*shape[:-1], out.shape[-1])
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> torch.Tensor:
+def _product(x: torch.Tensor, weight, bias: torch.Tensor | None, parts: int) -> torch.Tensor:
     if parts == 1:
         return packed_linear(x, weight, bias) if weight.is_mkldnn else F.linear(x, weight, bias)
-    if weight.is_mkldnn:  # folded: [rows, parts, parts * out], the products wanted on the diagonal blocks
-        every = packed_linear(x.view(len(x) * parts, -1), weight).view(len(x), parts, parts, -1)
-        acc = every.diagonal(dim1=1, dim2=2).sum(-1, dtype=torch.float32)
+    if isinstance(weight, tuple):  # prepacked slices
+        width = x.shape[1] // parts
+        acc = packed_linear(x[:, :width], weight[0]).float()
+        for i in range(1, parts):
+            acc.add_(packed_linear(x[:, i * width:(i + 1) * width], weight[i]))
     else:
         products = torch.bmm(x.view(len(x), parts, -1).transpose(0, 1), weight)
         acc = products[0].float()

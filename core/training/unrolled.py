@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from ..kernels.layout import causal_mask
 from .method import TrainBatch
 
 #: ``attend(module, q [B, heads, L, d], k [B, kv, L, d], v [B, kv, L, dv], scale=None) -> [B, L, heads, dv]``
@@ -47,7 +48,7 @@ def unrolled_attention(valid: torch.Tensor) -> tuple[Attend, Callable[[], None]]
     """
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []
     L = valid.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()
+    causal = causal_mask(L).to(valid.device)
     mask0 = causal[None] & valid[:, None, :]  # [B, L, L]
 
     def attend(module, q, k, v, scale=None):
