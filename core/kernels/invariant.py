@@ -80,9 +80,10 @@ def plan_weight(weight: torch.Tensor, plan: LinearPlan) -> torch.Tensor | tuple[
     One part: the weight itself, or prepacked for oneDNN where that is exact
     (:mod:`.prepacked`). Several parts: each slice ``[out, in / parts]`` prepacked where that
     is exact (bfloat16 on the CPU), one product per slice; else ``[parts, in / parts, out]``
-    for one batched ``bmm`` (which reorders the weight at every call: through the embedded
-    model's 1536 -> 576 projection, 2 threads, 206 against 166 us at one row, 337 against 213
-    at 16; the stock, not invariant, product takes 113 and 154)."""
+    for one batched ``bmm``, which reorders the weight at every call (the embedded model's
+    1536 -> 576 projection, 2 threads, ``scripts/bench_invariant_ops.py``: 201 against 228
+    us a layer at one row, 231 against 284 at 16; the stock product, not invariant, 121 and
+    137)."""
     if plan.parts == 1:
         return pack_weight(weight) if can_prepack(weight) else weight
     slices = weight.detach().view(weight.shape[0], plan.parts, -1)
@@ -91,7 +92,8 @@ def plan_weight(weight: torch.Tensor, plan: LinearPlan) -> torch.Tensor | tuple[
     return slices.permute(1, 2, 0).contiguous()
 
 
-def planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: LinearPlan) -> torch.Tensor:
+def planned_linear(x: torch.Tensor, weight: torch.Tensor | tuple, bias: torch.Tensor | None,
+                   plan: LinearPlan) -> torch.Tensor:
     """``F.linear`` under ``plan``; ``weight`` as :func:`plan_weight` made it."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
