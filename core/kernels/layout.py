@@ -25,9 +25,10 @@ def width_group(num_new: int) -> int:
 
 
 def causal_mask(n: int) -> torch.Tensor:
-    """``[n, n]`` bool, True on and below the diagonal. Built by comparison: with two CPU
-    threads torch 2.13's ``tril_`` on a bool tensor takes 0.2-7 ms (a parallel section for a
-    few bytes), the comparison ~15 us."""
+    """``[n, n]`` bool, True on and below the diagonal. Built by comparison: torch 2.13's
+    ``tril_`` on a bool tensor runs a parallel section, which waited milliseconds for a
+    descheduled thread while another process shared this 2-core CPU (once per sequence per
+    step in the stock attention's ``padded`` view)."""
     rows = torch.arange(n)
     return rows[:, None] >= rows
 
