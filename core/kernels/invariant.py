@@ -149,8 +149,10 @@ def _linear_plan(out_features: int, in_features: int, dtype: torch.dtype, device
     if device == "cuda":
         plans = [LinearPlan(1, parts, CUDA_CHUNK_ROWS) for parts in divisors]
     else:
-        plans = [LinearPlan(row_multiple, parts) for row_multiple in (1, ROW_MULTIPLE, 2 * ROW_MULTIPLE)
-                 for parts in divisors]
+        # padding a decode step's row to a few rows costs next to nothing where the product
+        # streams its weight; cutting the input into parts costs a product per part
+        plans = [LinearPlan(row_multiple, parts) for parts in divisors
+                 for row_multiple in (1, ROW_MULTIPLE, 2 * ROW_MULTIPLE)]
     for plan in plans:
         if _rows_invariant(weight, plan):
             if not plan.is_stock:
