@@ -163,8 +163,7 @@ class EngineConfig:
             only, not on the drafts or requests sharing the forward: greedy output is then
             bit-identical between plain and speculative decoding, alone and batched, in
             bfloat16 too (:mod:`specdec.kernels.invariant`). Off by default: on CPU it costs
-            8-13% of plain decoding's throughput, and the time to first token is 16-26%
-            longer (BENCHMARKS.md, "Bit-exact bfloat16").
+            8-11% of plain decoding's throughput (BENCHMARKS.md, "Bit-exact bfloat16").
         quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels
             (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
             None keeps the model's weights in ``dtype``. The quantized model is the target:

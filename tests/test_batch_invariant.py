@@ -12,7 +12,7 @@ from specdec import LLM, SamplingParams
 from specdec.testing import running_server, stream_chat
 from specdec.kernels import AttentionLayout, SequenceSlice, make_linear_invariant
 from specdec.kernels.attention import paged_attention_torch
-from specdec.kernels.invariant import invariant_attention_torch
+from specdec.kernels.invariant import LinearPlan, invariant_attention_torch, plan_weight, planned_linear
 from specdec.kernels.triton_kernels import invariant_attention_triton
 
 #: both implementations of the mode's attention (CUDA uses the Triton one; CPU tests run it
@@ -103,6 +103,26 @@ def test_invariant_linear_gives_a_row_the_same_result_in_any_batch(shape, dtype)
     assert torch.equal(layer(x[None, :7])[0], alone[:7])  # [batch, tokens, features] inputs too
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(layer(x), x @ layer.weight.t() + layer.bias, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="prepacked weight slices are a CPU bfloat16 path")
+@pytest.mark.parametrize("parts", [2, 3])
+def test_a_plan_in_parts_multiplies_prepacked_slices_as_the_bmm_of_unpacked_ones(parts):
+    """A plan that cuts the input (for shapes that padding rows does not make invariant)
+    multiplies each slice by its own prepacked weight: the numbers of the batched ``bmm``
+    over the unpacked slices, close to the stock product."""
+    torch.manual_seed(0)
+    weight = (torch.randn(576, 1536) * 1536 ** -0.5).to(torch.bfloat16)
+    bias = torch.randn(576).to(torch.bfloat16)
+    plan = LinearPlan(1, parts)
+    slices = plan_weight(weight, plan)
+    assert isinstance(slices, tuple) and all(w.is_mkldnn for w in slices)
+    unpacked = weight.view(576, parts, -1).permute(1, 2, 0).contiguous()
+    for rows in (1, 5, 16, 150):
+        x = torch.randn(rows, 1536).to(torch.bfloat16)
+        got = planned_linear(x, slices, bias, plan)
+        assert torch.equal(got, planned_linear(x, unpacked, bias, plan)), f"{rows} rows"
+        torch.testing.assert_close(got, x @ weight.t() + bias, atol=2e-2, rtol=2e-2)
 
 
 # -- the embedded model, bfloat16 -----------------------------------------------------------
