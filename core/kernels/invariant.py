@@ -187,10 +187,6 @@ def restore_linear(module: torch.nn.Linear) -> None:
 
 # -- attention --------------------------------------------------------------------------
 
-def _contiguous_float(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
-
-
 def _group_plan(group: dict, kv_heads: int, rep: int, tokens: int, sliding_window: int | None) -> tuple:
     """Gather indices and the additive mask of one group of key rows, built at a step's first
     layer and cached in the group: ``q_index`` into the ``[heads * T]`` query rows, for every
