@@ -13,6 +13,7 @@ from specdec.testing import running_server, stream_chat
 from specdec.kernels import AttentionLayout, SequenceSlice, make_linear_invariant
 from specdec.kernels.attention import paged_attention_torch
 from specdec.kernels.invariant import LinearPlan, invariant_attention_torch, plan_weight, planned_linear
+from specdec.kernels.layout import slot_ids
 from specdec.kernels.triton_kernels import invariant_attention_triton
 
 #: both implementations of the mode's attention (CUDA uses the Triton one; CPU tests run it
@@ -59,9 +60,10 @@ def visible_slots(layout: AttentionLayout, token: int) -> tuple[list[int], int]:
         n = len(s.positions)
         if token < first + n:
             i = token - first
-            new = layout._slots(s, s.start, n)
+            new = slot_ids(s.block_table, layout.block_size, s.start, n)
             mask = layout._tree(s)[i]
-            return layout._slots(s, 0, s.start) + [new[j] for j in range(n) if mask[j]], int(s.positions[i])
+            context = slot_ids(s.block_table, layout.block_size, 0, s.start)
+            return context + [new[j] for j in range(n) if mask[j]], int(s.positions[i])
         first += n
     raise IndexError(token)
 

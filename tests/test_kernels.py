@@ -6,6 +6,7 @@ import torch
 from specdec.kernels import chain_rejection_torch, greedy_tree_verify_torch
 from specdec.kernels.attention import paged_attention_torch
 from specdec.kernels.kv_copy import copy_kv_slots_torch
+from specdec.kernels.layout import slot_ids
 from specdec.sampler import verify_greedy
 from specdec import DraftProposal
 
@@ -48,7 +49,7 @@ def naive_attention(query, keys, values, layout, scale):
     out, row = [], 0
     for s in layout.seqs:
         n = len(s.positions)
-        slots = layout._slots(s, 0, s.start + n)
+        slots = slot_ids(s.block_table, layout.block_size, 0, s.start + n)
         k = keys[slots].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         v = values[slots].double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         scores = query[:, row:row + n].double() @ k.transpose(1, 2) * scale

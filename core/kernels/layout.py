@@ -67,22 +67,16 @@ class AttentionLayout:
         self._window_masks: dict[int, torch.Tensor] = {}
         self.kernel_cache: dict = {}  # what kernels derive from the layout, per step
 
-    def _slots(self, seq: SequenceSlice, first: int, count: int) -> list[int]:
-        return slot_ids(seq.block_table, self.block_size, first, count)
-
-    def _key_slots(self, seq: SequenceSlice, count: int) -> torch.Tensor:
-        """Cache slots of positions ``0 .. count`` of ``seq`` (a tensor op, not a Python loop
-        over the context)."""
-        pos = torch.arange(count)
+    def _key_slots(self, seq: SequenceSlice, count: int, first: int = 0) -> torch.Tensor:
+        """Cache slots of positions ``first .. first + count`` of ``seq`` (a tensor op, not a
+        Python loop over the context)."""
+        pos = torch.arange(first, first + count)
         return torch.tensor(seq.block_table)[pos // self.block_size] * self.block_size + pos % self.block_size
 
     @cached_property
     def slot_mapping(self) -> torch.Tensor:
         """``[T]`` the cache slot each new token's K/V is written to."""
-        slots: list[int] = []
-        for s in self.seqs:
-            slots += self._slots(s, s.start, len(s.positions))
-        return torch.tensor(slots, device=self.device)
+        return torch.cat([self._key_slots(s, len(s.positions), s.start) for s in self.seqs]).to(self.device)
 
     @cached_property
     def query_positions(self) -> torch.Tensor:
