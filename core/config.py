@@ -172,6 +172,12 @@ class EngineConfig:
             into oneDNN's layout instead of at every call (:mod:`specdec.kernels.prepacked`):
             bit-identical results, 1.2-2.4x faster products, one more copy of those weights
             in memory (the originals stay for drafters). No effect on other dtypes and devices.
+        compile: run the target's forward through ``torch.compile`` (inductor; on the CPU
+            with frozen weights, which inductor packs itself, so ``prepack_weights`` does not
+            apply): the work between the matrix products is fused. Two graphs are compiled
+            when the engine starts, which takes one to three minutes on a CPU; then a step
+            costs 10-35% less (BENCHMARKS.md, "Compiled target forward"). Not with
+            ``batch_invariant``. Off by default.
     """
 
     max_batch_size: int = attrs.field(default=8, validator=in_range(1, 4096))
@@ -186,6 +192,13 @@ class EngineConfig:
     batch_invariant: bool = False
     quantization: str | None = attrs.field(default=None, validator=attrs.validators.optional(one_of(*QUANTIZATIONS)))
     prepack_weights: bool = True
+    compile: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _compile_alone(inst, value))
+
+
+def _compile_alone(engine: EngineConfig, compile: bool) -> None:
+    if compile and engine.batch_invariant:
+        raise FieldError("compile", "cannot be combined with batch_invariant: the compiled graph fuses operations "
+                                    "in an order that depends on the step's token count; turn one of them off")
 
 
 @attrs.frozen(kw_only=True)

@@ -1,14 +1,14 @@
 """Where a target step's time goes: a decode step (1 new token) and a 16-token verification
 step (a chain of 16 new tokens), each after a context of ``--context`` tokens, batch 1.
 
-    .venv/bin/python scripts/profile_step.py [--dtype bfloat16] [--quantization int4] [--threads 2]
+    .venv/bin/python scripts/profile_step.py [--dtype bfloat16] [--quantization int4] [--compile] [--threads 2]
 
 Prints the wall time per step (median of ``--steps`` forwards through specdec's model
 runner and paged KV cache, the engine's own path), the bytes of weights one forward
 streams and the time that takes at ``--bandwidth`` GB/s (the floor of a decode step), then
 the torch profiler's split of one step: matrix products (linear layers, int4/int8 packed
-kernels), attention, other tensor operations, and what is left: Python and dispatch
-between the operations.
+kernels), attention, other tensor operations (with ``--compile``: the compiled graph's
+fused kernels too), and what is left: Python and dispatch between the operations.
 """
 
 from __future__ import annotations
@@ -75,9 +75,12 @@ def profile_split(run, top: int = 0) -> dict[str, float]:
         wall = time.perf_counter() - started
     split = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
     for event in prof.key_averages():
-        if not event.key.startswith(("aten::", "mkldnn::")):
+        if event.key.startswith("## Call CompiledFxGraph"):  # engine.compile: the fused kernels run in its self time
+            kind = "other ops"
+        elif not event.key.startswith(("aten::", "mkldnn::")):
             continue
-        kind = "matmul" if event.key in MATMUL else "attention" if event.key in ATTENTION else "other ops"
+        else:
+            kind = "matmul" if event.key in MATMUL else "attention" if event.key in ATTENTION else "other ops"
         split[kind] += event.self_cpu_time_total / 1e6
     split["python and dispatch"] = max(wall - sum(split.values()), 0.0)
     if top:
@@ -92,6 +95,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-prepack", action="store_true", help="engine.prepack_weights off (stock F.linear)")
     p.add_argument("--batch-invariant", action="store_true", help="engine.batch_invariant on")
+    p.add_argument("--compile", action="store_true", help="engine.compile on (the two graphs compile first)")
     p.add_argument("--top", type=int, default=0, help="also print the N operations that took most time")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=30)
@@ -100,7 +104,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llm = LLM(dtype=args.dtype, engine={"quantization": args.quantization, "kv_cache_blocks": 1,
                                         "prepack_weights": not args.no_prepack,
-                                        "batch_invariant": args.batch_invariant})
+                                        "batch_invariant": args.batch_invariant, "compile": args.compile})
     model = llm.target.model
     tensors = lambda m: [t for t in list(m.parameters()) + list(m.buffers()) if t is not None]  # noqa: E731
     head = {t.data_ptr() for t in tensors(model.get_output_embeddings())}

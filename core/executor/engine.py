@@ -99,7 +99,10 @@ class Engine:
         self.planner = (DraftPlanner(spec.nodes_for_depth, spec.probe_interval)
                         if spec is not None and spec.is_adaptive else None)
         # the torch reference pads a batch's sequences to the widest; the paged kernel does not
-        target.set_linear_forwards(config.batch_invariant, config.prepack_weights)
+        target.set_linear_forwards(config.batch_invariant, config.prepack_weights and not config.compile)
+        if config.compile:
+            target.compile()
+            self._warm_up_compiled()
         self._padded_attention = not use_triton(torch.empty(0, device=target.device), "paged_attention_triton")
         self._warned: set[str] = set()
         #: drafter faults by kind (the requests' ``num_drafter_faults`` summed).
@@ -108,6 +111,19 @@ class Engine:
         self.totals = RequestMetrics()
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
+
+    def _warm_up_compiled(self) -> None:
+        """Compile both graphs of the compiled target now, not on the first requests: one
+        token, then two, written into the first blocks (no request holds any yet)."""
+        started = time.perf_counter()
+        table = list(range(min(2, self.kv.pool.num_blocks)))
+        for count in (1, 2)[:len(table) * self.kv.block_size]:
+            positions = torch.arange(count, device=self.target.device)
+            layout = AttentionLayout([SequenceSlice(block_table=table, start=0, positions=positions)],
+                                     self.kv.block_size, self.target.device)
+            self.target.forward(torch.zeros(count, dtype=torch.long, device=self.target.device), positions,
+                                ForwardMetadata(cache=self.kv.cache, layout=layout), positions[-1:])
+        log.info("engine.compile: the target's graphs compiled in %.0f s", time.perf_counter() - started)
 
     # -- requests -------------------------------------------------------------------
 

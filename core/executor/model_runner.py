@@ -37,22 +37,47 @@ class ForwardMetadata:
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              specdec: ForwardMetadata | None = None, sliding_window=None, softcap=None,
                              **kwargs):
-    if specdec is None:
-        raise RuntimeError("the specdec attention runs only inside a specdec engine step")
-    layer = module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if specdec is None:  # a compiled target forward: the step's metadata waits in compiled_step
+        return torch.ops.specdec.paged_attention(query, key, value, module.layer_idx, scale, sliding_window,
+                                                 softcap), None
+    return _attend(module.layer_idx, query, key, value, specdec, scale, sliding_window, softcap), None
+
+
+def _attend(layer: int, query, key, value, meta: ForwardMetadata, scale: float, sliding_window, softcap):
+    """Write the new tokens' K/V into their slots, attend; ``[1, T, heads, value_dim]``."""
     k_new = key[0].transpose(0, 1)  # [T, kv_heads, dim]
     v_new = value[0].transpose(0, 1)
-    if specdec.probe is not None:
-        specdec.probe.append((layer, k_new.shape[1], k_new.shape[2], v_new.shape[2]))
-        return query.new_zeros(1, query.shape[2], query.shape[1], v_new.shape[2]), None
-    keys, values = specdec.cache.keys[layer], specdec.cache.values[layer]
-    slots = specdec.layout.slot_mapping
+    if meta.probe is not None:
+        meta.probe.append((layer, k_new.shape[1], k_new.shape[2], v_new.shape[2]))
+        return query.new_zeros(1, query.shape[2], query.shape[1], v_new.shape[2])
+    keys, values = meta.cache.keys[layer], meta.cache.values[layer]
+    slots = meta.layout.slot_mapping
     keys.index_copy_(0, slots, k_new.to(keys.dtype))
     values.index_copy_(0, slots, v_new.to(values.dtype))
-    attend = invariant_attention if specdec.batch_invariant else paged_attention
-    out = attend(query[0], keys, values, specdec.layout, scaling if scaling is not None else query.shape[-1] ** -0.5,
-                 sliding_window, softcap)
-    return out.unsqueeze(0), None
+    attend = invariant_attention if meta.batch_invariant else paged_attention
+    return attend(query[0], keys, values, meta.layout, scale, sliding_window, softcap).unsqueeze(0)
+
+
+#: The metadata of the compiled target forward running now (:meth:`TargetModel.compile`).
+compiled_step: dict[str, ForwardMetadata] = {}
+
+
+@torch.library.custom_op("specdec::paged_attention", mutates_args=())
+def _compiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+                        sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """The paged attention as one operator opaque to torch.compile: the step's layout is a
+    Python object that cannot be a graph input, so the operator reads it from
+    :data:`compiled_step`; it writes the cache (not an input either) as the eager path does."""
+    meta = compiled_step.get("meta")
+    if meta is None:
+        raise RuntimeError("the specdec attention runs only inside a specdec engine step")
+    return _attend(layer, query, key, value, meta, scale, sliding_window, softcap).contiguous()
+
+
+@_compiled_attention.register_fake
+def _(query, key, value, layer, scale, sliding_window, softcap):
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[3])
 
 
 def _no_mask(*args, **kwargs):
@@ -148,6 +173,7 @@ class TargetModel:
         self._layers, self._norm = _decoder_parts(model)
         self._captured: dict[int, torch.Tensor] = {}
         self._hooked: set[int] = set()
+        self._compiled = None
         self.layer_shapes = self._probe_kv_shapes()
 
     def _eos_ids(self) -> set[int]:
@@ -207,6 +233,29 @@ class TargetModel:
 
         return hook
 
+    def compile(self) -> None:
+        """Run the forwards through ``torch.compile`` from now on (``engine.compile``).
+
+        Inductor fuses what the transformers code does between the matrix products (norms,
+        rotary embeddings, activations, residuals: on the CPU a third of a decode step goes
+        to dispatching them) and, on the CPU, freezes the weights and packs them for oneDNN
+        itself, so the linear layers must be stock (``set_linear_forwards(False, False)``).
+        The attention is one opaque operator (``torch.ops.specdec.paged_attention``). Two
+        graphs, each compiled on its first call: one token (a decode at batch 1), and any
+        count from two, with at least two logits rows (one row is asked as two).
+        """
+        model = self.model
+
+        def logits(input_ids, position_ids, rows):
+            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows).logits
+
+        # Dynamo keeps graphs per code object: one of this target's own, since its graphs
+        # are not guarded on the modules (those checks took 1-1.5 ms a call; the engine never
+        # changes the target's modules once compiled) and would serve another target's calls.
+        logits.__code__ = logits.__code__.replace()
+        self._compiled = torch.compile(
+            logits, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                 logits_rows: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -216,6 +265,25 @@ class TargetModel:
         (``meta.layout``).
         """
         self._captured = {}
+        if self._compiled is not None:
+            return self._compiled_logits(input_ids[None], positions[None], meta, logits_rows), self._captured
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
                          logits_to_keep=logits_rows, specdec=meta)
         return out.logits[0].float(), self._captured
+
+    def _compiled_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
+                         rows: torch.Tensor) -> torch.Tensor:
+        count = len(rows)
+        # Inference-mode copies: the graphs' guards tell them from tensors made outside it.
+        ids, positions, rows = ids.clone(), positions.clone(), rows.repeat(2 if count == 1 and ids.shape[1] > 1 else 1)
+        if ids.shape[1] > 1:
+            for tensor, dim in ((ids, 1), (positions, 1), (rows, 0)):
+                torch._dynamo.mark_dynamic(tensor, dim)
+        compiled_step["meta"] = meta
+        try:
+            # Freezing set for the call, where compiling happens (passed as an option of
+            # torch.compile it left the weights unpacked here, torch 2.13).
+            with torch._inductor.config.patch(freezing=self.device.type == "cpu"):
+                return self._compiled(ids, positions, rows)[0, :count].float()
+        finally:
+            compiled_step.clear()
