@@ -102,9 +102,11 @@ def main() -> None:
     p.add_argument("--bandwidth", type=float, default=12.0, help="memory bandwidth in GB/s for the floor")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    started = time.perf_counter()
     llm = LLM(dtype=args.dtype, engine={"quantization": args.quantization, "kv_cache_blocks": 1,
                                         "prepack_weights": not args.no_prepack,
                                         "batch_invariant": args.batch_invariant, "compile": args.compile})
+    built = time.perf_counter() - started
     model = llm.target.model
     tensors = lambda m: [t for t in list(m.parameters()) + list(m.buffers()) if t is not None]  # noqa: E731
     head = {t.data_ptr() for t in tensors(model.get_output_embeddings())}
@@ -114,7 +116,8 @@ def main() -> None:
     floor = streamed / (args.bandwidth * 1e9)
     print(f"# {llm.target.name}, {args.dtype}{', ' + args.quantization if args.quantization else ''}, "
           f"{args.threads} threads, context {args.context}: weights streamed per forward "
-          f"{streamed / 2**20:.0f} MiB, {floor * 1000:.1f} ms at {args.bandwidth:g} GB/s")
+          f"{streamed / 2**20:.0f} MiB, {floor * 1000:.1f} ms at {args.bandwidth:g} GB/s; "
+          f"LLM built in {built:.0f} s{' (graphs compiled)' if args.compile else ''}")
     for label, new in (("decode (1 token)", 1), ("verify (16 tokens)", 16)):
         run = step_runner(llm, args.context, new, batch_invariant=args.batch_invariant)
         wall = time_step(run, args.steps)
