@@ -10,6 +10,8 @@ the step built (causal for prompts, tree-shaped for drafts, block-diagonal acros
 
 from __future__ import annotations
 
+import threading
+
 import attrs
 import torch
 from transformers import AttentionInterface
@@ -59,8 +61,9 @@ def _attend(layer: int, query, key, value, meta: ForwardMetadata, scale: float, 
     return attend(query[0], keys, values, meta.layout, scale, sliding_window, softcap).unsqueeze(0)
 
 
-#: The metadata of the compiled target forward running now (:meth:`TargetModel.compile`).
-compiled_step: dict[str, ForwardMetadata] = {}
+#: ``meta``: the metadata of the compiled target forward this thread runs now
+#: (:meth:`TargetModel.compile`).
+compiled_step = threading.local()
 
 
 @torch.library.custom_op("specdec::paged_attention", mutates_args=())
@@ -69,7 +72,7 @@ def _compiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """The paged attention as one operator opaque to torch.compile: the step's layout is a
     Python object that cannot be a graph input, so the operator reads it from
     :data:`compiled_step`; it writes the cache (not an input either) as the eager path does."""
-    meta = compiled_step.get("meta")
+    meta = getattr(compiled_step, "meta", None)
     if meta is None:
         raise RuntimeError("the specdec attention runs only inside a specdec engine step")
     return _attend(layer, query, key, value, meta, scale, sliding_window, softcap).contiguous()
@@ -279,11 +282,11 @@ class TargetModel:
         if ids.shape[1] > 1:
             for tensor, dim in ((ids, 1), (positions, 1), (rows, 0)):
                 torch._dynamo.mark_dynamic(tensor, dim)
-        compiled_step["meta"] = meta
+        compiled_step.meta = meta
         try:
             # Freezing set for the call, where compiling happens (passed as an option of
             # torch.compile it left the weights unpacked here, torch 2.13).
             with torch._inductor.config.patch(freezing=self.device.type == "cpu"):
                 return self._compiled(ids, positions, rows)[0, :count].float()
         finally:
-            compiled_step.clear()
+            compiled_step.meta = None
