@@ -197,6 +197,7 @@ class EngineConfig:
 
 
 def _compile_alone(engine: EngineConfig, compile: bool) -> None:
+    """``compile`` is refused beside ``batch_invariant`` (whose plans run eagerly)."""
     if compile and engine.batch_invariant:
         raise FieldError("compile", "cannot be combined with batch_invariant: the compiled graph fuses operations "
                                     "in an order that depends on the step's token count; turn one of them off")

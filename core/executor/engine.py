@@ -98,11 +98,11 @@ class Engine:
         self.acceptance_rule = spec.acceptance_rule(target.tokenizer) if spec is not None else None
         self.planner = (DraftPlanner(spec.nodes_for_depth, spec.probe_interval)
                         if spec is not None and spec.is_adaptive else None)
-        # the torch reference pads a batch's sequences to the widest; the paged kernel does not
         target.set_linear_forwards(config.batch_invariant, config.prepack_weights and not config.compile)
         if config.compile:
             target.compile()
             self._warm_up_compiled()
+        # the torch reference pads a batch's sequences to the widest; the paged kernel does not
         self._padded_attention = not use_triton(torch.empty(0, device=target.device), "paged_attention_triton")
         self._warned: set[str] = set()
         #: drafter faults by kind (the requests' ``num_drafter_faults`` summed).
