@@ -86,17 +86,50 @@ def test_cost_model_recovers_a_step_cost_from_tokens_and_attention():
         tokens = rng.randint(1, 120)
         work = tokens * rng.randint(100, 3000) / 1000
         costs.observe_step(tokens, work, truth(tokens, work) * rng.uniform(0.97, 1.03))
-    a, b, c = costs.coefficients()
+    a, jump, b, c = costs.coefficients()
     assert a == pytest.approx(0.030, rel=0.1) and b == pytest.approx(0.0004, rel=0.3)
-    assert c == pytest.approx(0.0002, rel=0.1)
+    assert c == pytest.approx(0.0002, rel=0.1) and jump == pytest.approx(0.0, abs=0.002)
+
+
+def _fed_a_compiled_curve(costs: StepCostModel, one_token_steps: bool) -> StepCostModel:
+    """A compiled target's step: 27 ms for one token (its own graph), 34 ms for two, then
+    1 ms per token (the shape measured on the embedded model with ``engine.compile``)."""
+    rng = random.Random(2)
+    for _ in range(150):
+        tokens = 1 if one_token_steps and rng.random() < 0.4 else rng.randint(2, 17)
+        costs.observe_step(tokens, 0.0, (0.026 + 0.006 * (tokens > 1) + 0.001 * tokens) * rng.uniform(0.98, 1.02))
+    return costs
+
+
+def test_cost_model_fits_the_jump_from_one_token_to_two():
+    costs = _fed_a_compiled_curve(StepCostModel(), one_token_steps=True)
+    a, jump, b, c = costs.coefficients()
+    assert a == pytest.approx(0.026, rel=0.1) and jump == pytest.approx(0.006, rel=0.2)
+    assert b == pytest.approx(0.001, rel=0.2) and c == 0.0
+    assert costs.step_seconds(1) == pytest.approx(0.027, rel=0.03)
+    assert costs.step_seconds(2) == pytest.approx(0.034, rel=0.03)
+    # a first draft position accepted 15% of the time does not pay for the jump; 50% does
+    options = lambda p: [DraftOption(gains=[p, p * p, p ** 3], nodes=[0, 1, 2, 3])]  # noqa: E731
+    assert best_depths(options(0.15), 1, lambda tokens, *_: costs.step_seconds(tokens)) == [0]
+    assert best_depths(options(0.5), 1, lambda tokens, *_: costs.step_seconds(tokens)) != [0]
+    # the straight line through the same steps hides the jump and would draft at 15%
+    linear = _fed_a_compiled_curve(StepCostModel(), one_token_steps=True)
+    linear.MIN_STEPS_OF_EACH = float("inf")
+    assert best_depths(options(0.15), 1, lambda tokens, *_: linear.step_seconds(tokens)) != [0]
+
+
+def test_cost_model_fits_no_jump_without_one_token_steps():
+    costs = _fed_a_compiled_curve(StepCostModel(), one_token_steps=False)
+    a, jump, b, c = costs.coefficients()
+    assert jump == 0.0 and b == pytest.approx(0.001, rel=0.2)
 
 
 def test_cost_model_never_fits_a_negative_cost_per_token():
     costs = StepCostModel()
     for tokens in (1, 2, 3, 4, 5, 6):  # noise: more tokens measured faster
         costs.observe_step(tokens, 0.0, 0.050 - 0.001 * tokens)
-    a, b, c = costs.coefficients()
-    assert b == 0.0 and c == 0.0 and a == pytest.approx(0.0465, rel=0.05)
+    a, jump, b, c = costs.coefficients()
+    assert jump == 0.0 and b == 0.0 and c == 0.0 and a == pytest.approx(0.0465, rel=0.05)
     costs.observe_draft(4, 0.008)
     assert costs.draft_seconds(2) == pytest.approx(0.004)
 

@@ -5,7 +5,8 @@ Two live estimates feed the choice, both measured while serving (no start-up cal
 no table to tune):
 
 * :class:`StepCostModel`: seconds of a step as a function of the tokens in its target
-  forward and of the attention they do (every step is a sample, prompt chunks
+  forward (with the jump from one token to more, where the forward has a one-token
+  graph) and of the attention they do (every step is a sample, prompt chunks
   included), and seconds of drafting per draft level.
 * :class:`AcceptanceStats`: the chance that draft position ``j`` is accepted once
   position ``j - 1`` was, per proposal kind (:attr:`DraftProposal.kind`: ngram's match
@@ -34,68 +35,84 @@ from ..kernels.layout import width_group
 
 
 class StepCostModel:
-    """Seconds of a step, ``a + b * tokens + c * work``, and of drafting per level.
+    """Seconds of a step, ``a + d * [tokens > 1] + b * tokens + c * work``, and of drafting per level.
 
     ``tokens`` is the number of target tokens in the step's forward (weights are streamed
     once per step, each token adds matmul rows); ``work`` the attention it does in
     thousands of query-key pairs (:meth:`AttentionLayout.attention_work`), which grows with
-    the batch's contexts and dominates extra tokens on CPU at larger batches. The
-    coefficients come from least squares over every step seen, older steps forgotten
-    geometrically so the model follows a machine that speeds up or slows down, and none of
-    them negative (the best fit over the subsets of features is kept).
+    the batch's contexts and dominates extra tokens on CPU at larger batches. ``d`` is
+    the jump from a one-token forward to any wider one: a compiled target runs one token
+    through a graph of its own (``engine.compile``: 26.6 ms against 32.4 ms for two
+    tokens on the embedded model, then ~1 ms per token), so the first draft token costs
+    several times what later ones do. It is fitted only while both kinds of step have
+    been seen recently; otherwise the model is linear in ``tokens``. The coefficients come
+    from least squares over every step seen, older steps forgotten geometrically so the
+    model follows a machine that speeds up or slows down, and none of them negative (the
+    best fit over the subsets of features is kept).
     """
+
+    #: decayed number of one-token and of wider steps both needed before the jump is fitted
+    MIN_STEPS_OF_EACH = 2.0
 
     def __init__(self, forgetting: float = 0.98, smoothing: float = 0.2):
         self.forgetting = forgetting
         self.smoothing = smoothing
-        self.xtx = [[0.0] * 3 for _ in range(3)]
-        self.xty = [0.0] * 3
+        self.xtx = [[0.0] * 4 for _ in range(4)]
+        self.xty = [0.0] * 4
         self.yty = 0.0
         self.num_steps = 0
-        self._coefficients: tuple[float, float, float] | None = None
+        self._coefficients: tuple[float, float, float, float] | None = None
         self.draft_level_seconds = 0.0
 
     def observe_step(self, num_tokens: int, work: float, seconds: float) -> None:
         if num_tokens < 1 or seconds <= 0:
             return
-        x = (1.0, float(num_tokens), work)
+        x = self._features(num_tokens, work)
         f = self.forgetting
-        for i in range(3):
+        for i in range(4):
             self.xty[i] = f * self.xty[i] + x[i] * seconds
-            for j in range(3):
+            for j in range(4):
                 self.xtx[i][j] = f * self.xtx[i][j] + x[i] * x[j]
         self.yty = f * self.yty + seconds * seconds
         self.num_steps += 1
         self._coefficients = None
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a, b, c) of the best non-negative fit; before three steps, the mean step time
-        with a small per-token slope (drafts look nearly free, so speculation starts on
-        and gets measured)."""
+    @staticmethod
+    def _features(num_tokens: int, work: float) -> tuple[float, float, float, float]:
+        return 1.0, float(num_tokens > 1), float(num_tokens), work
+
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(a, d, b, c) of the best non-negative fit; before three steps, the mean step
+        time with a small per-token slope (drafts look nearly free, so speculation starts
+        on and gets measured)."""
         if self._coefficients is not None:
             return self._coefficients
         if self.num_steps < 3:
             mean = self.xty[0] / self.xtx[0][0] if self.num_steps else 1.0
-            return mean, mean / 256, 0.0
+            return mean, 0.0, mean / 256, 0.0
+        wide = self.xtx[1][1]
+        jump = min(wide, self.xtx[0][0] - wide) >= self.MIN_STEPS_OF_EACH
+        subsets = [(0,), (0, 2), (0, 3), (0, 2, 3)]
+        if jump:
+            subsets += [(0, 1, *rest[1:]) for rest in subsets]
         best, best_residual = None, math.inf
-        for features in ((0,), (0, 1), (0, 2), (0, 1, 2)):
+        for features in subsets:
             beta = _solve([[self.xtx[i][j] + (1e-9 * self.xtx[i][i] if i == j else 0.0) for j in features]
                            for i in features], [self.xty[i] for i in features])
             if beta is None or any(v < 0 for v in beta):
                 continue
-            full = [0.0, 0.0, 0.0]
+            full = [0.0] * 4
             for i, v in zip(features, beta):
                 full[i] = v
-            residual = self.yty - 2 * sum(full[i] * self.xty[i] for i in range(3)) + sum(
-                full[i] * self.xtx[i][j] * full[j] for i in range(3) for j in range(3))
+            residual = self.yty - 2 * sum(full[i] * self.xty[i] for i in range(4)) + sum(
+                full[i] * self.xtx[i][j] * full[j] for i in range(4) for j in range(4))
             if residual < best_residual - 1e-15:
                 best, best_residual = full, residual
-        self._coefficients = tuple(best) if best is not None else (self.xty[0] / self.xtx[0][0], 0.0, 0.0)
+        self._coefficients = tuple(best) if best is not None else (self.xty[0] / self.xtx[0][0], 0.0, 0.0, 0.0)
         return self._coefficients
 
     def step_seconds(self, num_tokens: int, work: float = 0.0) -> float:
-        a, b, c = self.coefficients()
-        return a + b * num_tokens + c * work
+        return sum(c * x for c, x in zip(self.coefficients(), self._features(num_tokens, work)))
 
     def observe_draft(self, depth: int, seconds: float) -> None:
         """A drafting call that asked for ``depth`` levels at most took ``seconds``."""
