@@ -9,6 +9,9 @@ streams and the time that takes at ``--bandwidth`` GB/s (the floor of a decode s
 the torch profiler's split of one step: matrix products (linear layers, int4/int8 packed
 kernels), attention, other tensor operations (with ``--compile``: the compiled graph's
 fused kernels too), and what is left: Python and dispatch between the operations.
+``--curve 1 2 4 8 16`` instead times steps of those token counts, interleaved round by
+round: the shape of the step cost the adaptive planner fits (with ``--compile``, the jump
+from the one-token graph to the dynamic one).
 """
 
 from __future__ import annotations
@@ -65,6 +68,18 @@ def time_step(run, steps: int) -> float:
     return statistics.median(times)
 
 
+def time_curve(llm: LLM, context: int, counts: list[int], rounds: int, batch_invariant: bool) -> dict[int, float]:
+    """Median seconds of a step of each token count, the counts interleaved in every round."""
+    runs = {n: step_runner(llm, context, n, batch_invariant=batch_invariant) for n in counts}
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(rounds + 1):  # the first round warms up
+        for n, run in runs.items():
+            started = time.perf_counter()
+            run()
+            times[n].append(time.perf_counter() - started)
+    return {n: statistics.median(t[1:]) for n, t in times.items()}
+
+
 def profile_split(run, top: int = 0) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -99,6 +114,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=0, help="also print the N operations that took most time")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--curve", type=int, nargs="+", metavar="TOKENS",
+                   help="time steps of these token counts (interleaved, --steps rounds) instead of profiling")
     p.add_argument("--bandwidth", type=float, default=12.0, help="memory bandwidth in GB/s for the floor")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -118,6 +135,10 @@ def main() -> None:
           f"{args.threads} threads, context {args.context}: weights streamed per forward "
           f"{streamed / 2**20:.0f} MiB, {floor * 1000:.1f} ms at {args.bandwidth:g} GB/s; "
           f"LLM built in {built:.0f} s{' (graphs compiled)' if args.compile else ''}")
+    if args.curve:
+        curve = time_curve(llm, args.context, args.curve, args.steps, args.batch_invariant)
+        print("tokens per step -> ms: " + ", ".join(f"{n}: {t * 1000:.1f}" for n, t in curve.items()))
+        return
     for label, new in (("decode (1 token)", 1), ("verify (16 tokens)", 16)):
         run = step_runner(llm, args.context, new, batch_invariant=args.batch_invariant)
         wall = time_step(run, args.steps)

@@ -41,11 +41,14 @@ class StepCostModel:
     once per step, each token adds matmul rows); ``work`` the attention it does in
     thousands of query-key pairs (:meth:`AttentionLayout.attention_work`), which grows with
     the batch's contexts and dominates extra tokens on CPU at larger batches. ``d`` is
-    the jump from a one-token forward to any wider one: a compiled target runs one token
-    through a graph of its own (``engine.compile``: 26.6 ms against 32.4 ms for two
-    tokens on the embedded model, then ~1 ms per token), so the first draft token costs
-    several times what later ones do. It is fitted only while both kinds of step have
-    been seen recently; otherwise the model is linear in ``tokens``. The coefficients come
+    the jump from a one-token forward to any wider one, which the line through wider
+    steps misses: a compiled target runs one token through a graph of its own, and
+    verifying the first draft token can cost several times what each later one does (the
+    embedded model at batch 1, ``scripts/profile_step.py [--compile] --curve 1 2 3 4 8
+    16``: compiled 35.0 / 38.5 / 36.2 / 35.4 / 42.6 / 52.9 ms, eager 45.3 / 50.2 / 46.0 /
+    43.8 / 50.0 / 63.9; BENCHMARKS.md has the runs). It is fitted
+    only while both kinds of step have been seen recently; otherwise the model is linear
+    in ``tokens``. The coefficients come
     from least squares over every step seen, older steps forgotten geometrically so the
     model follows a machine that speeds up or slows down, and none of them negative (the
     best fit over the subsets of features is kept).
