@@ -42,6 +42,7 @@ class CategoryResult:
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)
     outputs: list[list[int]] | None = None  # token ids of each request, in order (specdec methods)
     identical: int | None = None  # outputs equal to plain decoding's
+    by_repetition: list[tuple[int, float]] = attrs.Factory(list)  # (tokens, seconds) of each repetition
 
     @property
     def tokens_per_s(self) -> float:
@@ -50,6 +51,7 @@ class CategoryResult:
     def summary(self) -> dict:
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         return {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_by_repetition": [t / s if s else 0.0 for t, s in self.by_repetition],
                 "time_to_first_token_s": mean(self.ttft), "time_per_output_token_s": mean(self.tpot),
                 "request_latency_s": mean(self.latency),
                 "identical_to_plain": None if self.identical is None else f"{self.identical}/{len(self.outputs)}",
@@ -178,10 +180,16 @@ def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int) -> dict:
 
 
 def print_table(report: dict, file=sys.stdout) -> None:
+    """The report as a table: ``range`` is the lowest and highest speedup over the
+    repetitions; a note follows where batched outputs differ from plain decoding's."""
     cats = report["categories"]
-    print(f"{'method':<28}{'category':<18}{'tok/s':>8}{'speedup':>9}{'TTFT ms':>9}{'TPOT ms':>9}{'acc.len':>8}"
-          f"{'draft%':>8}{'k':>6}{'off%':>6}{'faults':>7}{'same':>7}  per-position acceptance", file=file)
+    print(f"{'method':<28}{'category':<18}{'tok/s':>8}{'speedup':>9}{'range':>11}{'TTFT ms':>9}{'TPOT ms':>9}"
+          f"{'acc.len':>8}{'draft%':>8}{'k':>6}{'off%':>6}{'faults':>7}{'same':>7}  per-position acceptance", file=file)
+    differ = []
     for method, per_cat in report["results"].items():
+        same = per_cat["all"].get("identical_to_plain")
+        if same and same.split("/")[0] != same.split("/")[1]:
+            differ.append(method)
         if not per_cat["all"].get("lossless", True):  # an opt-in lossy acceptance rule decided some tokens
             method = f"{method} (LOSSY)"
         for cat in cats + ["all"]:
@@ -190,11 +198,18 @@ def print_table(report: dict, file=sys.stdout) -> None:
                 continue
             ms = lambda x: f"{x * 1000:.0f}" if x is not None else "-"  # noqa: E731
             pos = " ".join(f"{x:.2f}" for x in r.get("per_position_acceptance", [])[:8])
-            print(f"{method:<28}{cat:<18}{r['tokens_per_s']:>8.1f}{r['speedup_vs_plain']:>8.2f}x"
+            reps = r.get("speedup_by_repetition") or []
+            spread = f"{min(reps):.2f}-{max(reps):.2f}" if len(reps) > 1 else "-"
+            print(f"{method:<28}{cat:<18}{r['tokens_per_s']:>8.1f}{r['speedup_vs_plain']:>8.2f}x{spread:>11}"
                   f"{ms(r.get('time_to_first_token_s')):>9}{ms(r.get('time_per_output_token_s')):>9}"
                   f"{r.get('acceptance_length', 0):>8.2f}{100 * r.get('draft_time_share', 0):>7.1f}%"
                   f"{r.get('mean_draft_len', 0):>6.1f}{100 * r.get('speculation_off_share', 0):>5.0f}%"
                   f"{r.get('drafter_faults', 0):>7}{r.get('identical_to_plain') or '-':>7}  {pos}", file=file)
+    if differ and report.get("batch_size", 1) > 1:
+        print(f"note: outputs of {', '.join(differ)} differ from plain decoding's (a token's logits change in "
+              "their last bits with what shares its forward, and near-ties flip), so at batch > 1 their throughput "
+              "is taken over other texts and lengths; --set engine.batch_invariant=true compares identical work",
+              file=file)
 
 
 def plot(report: dict, out_dir: Path) -> list[Path]:
@@ -247,6 +262,8 @@ def _with_all(per_cat: dict[str, CategoryResult]) -> dict[str, CategoryResult]:
         if r.outputs is not None:
             total.outputs = (total.outputs or []) + r.outputs
             total.identical = (total.identical or 0) + (r.identical or 0)
+        total.by_repetition = [(a + t, b + s) for (a, b), (t, s) in
+                               zip(total.by_repetition or [(0, 0.0)] * len(r.by_repetition), r.by_repetition)]
     return {**per_cat, "all": total}
 
 
@@ -299,7 +316,10 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             shift = turn % len(order)
             for name, run in order[shift:] + order[:shift]:
                 progress.set_postfix_str(f"{name}: {category}")
-                run(conversations, raw[name][category])
+                res = raw[name][category]
+                tokens, seconds = res.tokens, res.seconds
+                run(conversations, res)
+                res.by_repetition.append((res.tokens - tokens, res.seconds - seconds))
                 progress.update(1)
     progress.close()
     for per_cat in raw.values():
@@ -314,6 +334,9 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             s = r.summary()
             plain_rate = raw["plain"][cat].tokens_per_s
             s["speedup_vs_plain"] = s["tokens_per_s"] / plain_rate if plain_rate else 0.0
+            # the spread of a ratio over repetitions is the run's own measure of its noise
+            s["speedup_by_repetition"] = [mine / theirs if theirs else 0.0 for mine, theirs in zip(
+                s["tokens_per_s_by_repetition"], raw["plain"][cat].summary()["tokens_per_s_by_repetition"])]
             results[name][cat] = s
     plain = llms["plain"]
     return {"model": plain.target.name, "dtype": str(plain.dtype).replace("torch.", ""), "device": str(plain.device),

@@ -48,6 +48,14 @@ def test_bench_user_jsonl_and_its_errors(tmp_path):
     assert report["categories"] == ["repeat", "custom"] and report["batch_size"] == 3
     # three distinct concurrent requests per category, in each of two repetitions
     assert report["results"]["ngram"]["repeat"]["identical_to_plain"] == "6/6"
+    for cat in ("repeat", "custom", "all"):  # each repetition's own ratio: the run's noise
+        ngram, plain = report["results"]["ngram"][cat], report["results"]["plain"][cat]
+        assert plain["speedup_by_repetition"] == [1.0, 1.0]
+        assert ngram["speedup_by_repetition"] == [
+            a / b for a, b in zip(ngram["tokens_per_s_by_repetition"], plain["tokens_per_s_by_repetition"])]
+        assert min(ngram["tokens_per_s_by_repetition"]) <= ngram["tokens_per_s"] <= max(
+            ngram["tokens_per_s_by_repetition"])
+    assert f"{min(ngram['speedup_by_repetition']):.2f}-{max(ngram['speedup_by_repetition']):.2f}" in result.stdout
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
     result = specdec("bench", "--dataset", str(bad))
@@ -120,6 +128,21 @@ def test_table_labels_methods_whose_output_a_lossy_rule_decided():
     lines = table.getvalue().splitlines()[1:]
     assert [line.split()[0] for line in lines] == ["plain", "plain", "mtp_relaxed", "mtp_relaxed"]
     assert [line.split()[1] == "(LOSSY)" for line in lines] == [False, False, True, True]
+
+
+def test_table_notes_batched_outputs_that_differ_from_plain():
+    import io
+
+    from specdec.bench import print_table
+
+    def row(same):
+        return {"tokens_per_s": 1.0, "speedup_vs_plain": 1.0, "identical_to_plain": same}
+
+    for batch_size, same, noted in ((8, "5/16", True), (8, "16/16", False), (1, "5/16", False)):
+        rows = {"plain": {"c": row("16/16"), "all": row("16/16")}, "ngram": {"c": row(same), "all": row(same)}}
+        table = io.StringIO()
+        print_table({"categories": ["c"], "results": rows, "batch_size": batch_size}, file=table)
+        assert ("note: outputs of ngram differ" in table.getvalue()) == noted
 
 
 def test_bench_llama_cpp_beside_an_int4_target(tmp_path):

@@ -251,10 +251,10 @@ def test_manual_rules_replace_the_planner():
     assert spec.is_adaptive
 
 
-def planner_with(costs):
+def planner_with(costs, probe_share=0.03):
     from specdec.executor.draft_planner import DraftPlanner
 
-    planner = DraftPlanner(nodes_for_depth=lambda depth: depth, probe_interval=4)
+    planner = DraftPlanner(nodes_for_depth=lambda depth: depth, probe_interval=4, probe_share=probe_share)
     planner.costs = costs
     return planner
 
@@ -268,12 +268,13 @@ def request(name: str):
 def test_probes_back_off_while_they_fail_and_reset_when_drafts_pay():
     from specdec.executor.draft_planner import StepShape
 
-    planner, req = planner_with(SyntheticCosts()), request("a")
+    planner, req = planner_with(SyntheticCosts(), probe_share=1.0), request("a")  # a budget that never binds
     shape = StepShape([(10, 1)], padded=True)
     for _ in range(20):
         planner.observe(req, None, depth=4, accepted=0)
     waits, since = [], 0
     for _ in range(130):  # steps: plan, and the engine's bookkeeping of a step without drafts
+        planner.observe_step(1, 0.0, 1.0)
         (depth,) = planner.plan([req], [(4, 4)], shape)
         if depth:
             waits.append(since)
@@ -292,6 +293,45 @@ def test_probes_back_off_while_they_fail_and_reset_when_drafts_pay():
     assert depth == 4
     (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * 4)], shape)
     assert kept == 4 and req.probe_after == 0  # drafts pay again: probes back to the default
+
+
+def probing_run(probe_share: float, steps: int = 400) -> tuple[float, float, set]:
+    """Eight requests whose drafts never pay, each proposal bringing 15 aux tokens
+    (lookahead's window) over a step of eight one-token sequences: the seconds the probes
+    added, the seconds of all steps, and the requests probed."""
+    from specdec.executor.draft_planner import StepShape
+
+    costs = SyntheticCosts()
+    planner, reqs = planner_with(costs, probe_share), [request(f"r{i}") for i in range(8)]
+    planner.aux_tokens = 15.0
+    shape = StepShape([(10, 1)] * 8, padded=False)
+    for req in reqs:
+        for _ in range(20):
+            planner.observe(req, None, depth=4, accepted=0)
+    spent, elapsed, probed = 0.0, 0.0, set()
+    for _ in range(steps):
+        depths = planner.plan(reqs, [(4, 4)] * 8, shape)
+        proposals = [DraftProposal(token_ids=[5] * d, aux_token_ids=[7] * 15, aux_position_offsets=list(range(15)))
+                     if d else None for d in depths]
+        kept = planner.trim(reqs, proposals, shape)
+        tokens = 8 + sum(1 + 15 for k in kept if k)
+        spent += costs.step_seconds(tokens) - costs.step_seconds(8)
+        elapsed += costs.step_seconds(tokens)
+        planner.observe_step(tokens, 0.0, costs.step_seconds(tokens))
+        for req, k in zip(reqs, kept):
+            if k:
+                probed.add(req.request_id)
+                planner.observe(req, None, depth=k, accepted=0)
+            req.steps_without_drafts = 0 if k else req.steps_without_drafts + 1
+    return spent, elapsed, probed
+
+
+def test_probes_of_a_batch_spend_at_most_their_share_of_the_step_time():
+    spent, elapsed, probed = probing_run(probe_share=0.03)
+    assert len(probed) == 8  # every request still gets probed...
+    assert spent <= 0.03 * elapsed  # ...within the budget
+    spent, elapsed, probed = probing_run(probe_share=1.0)
+    assert spent > 0.15 * elapsed  # each on its own schedule, probes would cost far more
 
 
 def test_a_drafter_that_rarely_has_a_draft_is_asked_only_where_asking_is_cheap():

@@ -20,7 +20,12 @@ depth worth asking for (drafting time counted), and on the proposals, to trim ea
 depth its own kind earns (drafting time already spent). A request the planner keeps from
 drafting is probed with a one-level draft after ``probe_interval`` steps, then after
 twice as many each time the probe does not pay (up to 8x), so that speculation comes
-back on when it would pay again at little cost while it does not.
+back on when it would pay again. Probes are paid from a budget shared by the batch: a
+share (3%) of the estimated time of every step, so that a batch of requests whose
+drafts do not pay loses at most that share, whatever a probe costs. Without it, each
+of 8 requests probing lookahead's 15-token window on its own schedule widened about one
+step in four by two thirds (0.92x plain at batch 8 with 97% of the steps off,
+BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -315,6 +320,25 @@ def best_depths(options: list[DraftOption], base_tokens: int, step_seconds: Call
     return best
 
 
+class _StepLoad:
+    """The target tokens of a step as chosen so far (``depths`` of ``options`` over
+    ``base_tokens``), to price one more request's draft of ``extra`` tokens."""
+
+    def __init__(self, base_tokens: int, options: list[DraftOption], depths: list[int]):
+        self.tokens = base_tokens + sum(opt.nodes[d] for opt, d in zip(options, depths))
+        self.widest = max((1 + opt.nodes[d] for opt, d in zip(options, depths) if d), default=1)
+        self.drafting = sum(d > 0 for d in depths)
+
+    def extra_seconds(self, step_seconds: Callable[[int, int, int], float], extra: int) -> float:
+        now = step_seconds(self.tokens, self.widest, self.drafting)
+        return step_seconds(self.tokens + extra, max(self.widest, 1 + extra), self.drafting + 1) - now
+
+    def add(self, extra: int) -> None:
+        self.tokens += extra
+        self.widest = max(self.widest, 1 + extra)
+        self.drafting += 1
+
+
 class DraftPlanner:
     """The engine's adaptive draft lengths (see the module docstring).
 
@@ -324,13 +348,37 @@ class DraftPlanner:
     which drafting costs in the target forward whatever depth is verified.
     """
 
-    def __init__(self, nodes_for_depth: Callable[[int], int], probe_interval: int):
+    def __init__(self, nodes_for_depth: Callable[[int], int], probe_interval: int, probe_share: float = 0.03):
         self.nodes_for_depth = nodes_for_depth
         self.probe_interval = probe_interval
+        self.probe_share = probe_share
+        self.probe_credit = 0.0  # seconds probes may still spend: probe_share of every step's estimate
         self.costs = StepCostModel()
         self.stats = AcceptanceStats(decay=0.99, prior_weight=2.0)
         self.aux_tokens = 0.0
         self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
+
+    def observe_step(self, num_tokens: int, work: float, seconds: float) -> None:
+        """A step ran (drafting excluded): the cost model learns from it, and probes earn
+        ``probe_share`` of its estimated time (estimates, not the clock, so that a noisy
+        step neither grants nor denies a probe), saved up over four of the longest
+        back-offs at most, so that a long spell without probes is no licence for a burst."""
+        self.costs.observe_step(num_tokens, work, seconds)
+        estimate = self.costs.step_seconds(num_tokens, work)
+        self.probe_credit = min(self.probe_credit + self.probe_share * estimate,
+                                self.probe_share * 4 * 8 * self.probe_interval * estimate)
+
+    def _afford_probe(self, seconds: float) -> bool:
+        """Pay ``seconds`` of probing from the budget, if it holds them."""
+        if seconds > self.probe_credit:
+            return False
+        self.probe_credit -= max(seconds, 0.0)
+        return True
+
+    def _overdue_first(self, reqs: list, candidates: list[int]) -> list[int]:
+        """The requests among ``candidates`` due for a probe, the longest overdue first."""
+        due = [i for i in candidates if self._probe_due(reqs[i])]
+        return sorted(due, key=lambda i: (reqs[i].probe_after or self.probe_interval) - reqs[i].steps_without_drafts)
 
     def request_stats(self, req) -> AcceptanceStats:
         if req.draft_stats is None:
@@ -368,16 +416,21 @@ class DraftPlanner:
             options.append(DraftOption(gains, [0] + [min(self.nodes_for_depth(j), nodes) + aux
                                                      for j in range(1, depth + 1)]))
         mean_hit = sum(hits) / len(hits) if hits else 1.0
-        depths = best_depths(options, shape.tokens, self.step_seconds(shape),
-                             lambda depth: self.costs.draft_seconds(depth) / mean_hit)
-        for i, req in enumerate(reqs):
-            if depths[i] == 0 and caps[i][0] > 0:
-                if self._probe_due(req):
-                    depths[i] = 1
-                    self._probed(req)
-                    self._probing.add(id(req))
-                else:
-                    req.metrics.num_steps_speculation_off += 1
+        step = self.step_seconds(shape)
+        depths = best_depths(options, shape.tokens, step, lambda depth: self.costs.draft_seconds(depth) / mean_hit)
+        load = _StepLoad(shape.tokens, options, depths)
+        off = [i for i in range(len(reqs)) if depths[i] == 0 and caps[i][0] > 0]
+        for i in self._overdue_first(reqs, off):
+            extra = min(self.nodes_for_depth(1), caps[i][1]) + round(self.aux_tokens)
+            drafting_cost = 0.0 if load.drafting else self.costs.draft_seconds(1)
+            if self._afford_probe(load.extra_seconds(step, extra) + drafting_cost):
+                load.add(extra)
+                depths[i] = 1
+                self._probed(reqs[i])
+                self._probing.add(id(reqs[i]))
+        for i in off:
+            if depths[i] == 0:
+                reqs[i].metrics.num_steps_speculation_off += 1
         return depths
 
     def trim(self, reqs: list, proposals: list, shape: StepShape) -> list[int]:
@@ -397,20 +450,29 @@ class DraftPlanner:
             nodes = [0] + [sum(d <= j for d in node_depths) + len(prop.aux_token_ids)
                            for j in range(1, prop.depth + 1)]
             options.append(DraftOption(self.request_stats(req).curve(prop.kind, prop.depth), nodes))
-        depths = best_depths(options, base_tokens, self.step_seconds(shape))
+        step = self.step_seconds(shape)
+        depths = best_depths(options, base_tokens, step)
+        load = _StepLoad(base_tokens, options, depths)
         probing, self._probing = self._probing, set()
+        cut = []  # drafts the estimate refuses, not already probes
         for i, (req, prop) in enumerate(zip(reqs, proposals)):
             if prop is None or prop.depth == 0:
                 continue
             if depths[i] > 0:
                 req.probe_after = 0
-            elif id(req) in probing:
+            elif id(req) in probing:  # paid for in plan()
                 depths[i] = 1
-            elif self._probe_due(req):
-                depths[i] = 1
-                self._probed(req)
+                load.add(options[i].nodes[1])
             else:
-                req.metrics.num_steps_speculation_off += 1
+                cut.append(i)
+        for i in self._overdue_first(reqs, cut):
+            if self._afford_probe(load.extra_seconds(step, options[i].nodes[1])):
+                load.add(options[i].nodes[1])
+                depths[i] = 1
+                self._probed(reqs[i])
+        for i in cut:
+            if depths[i] == 0:
+                reqs[i].metrics.num_steps_speculation_off += 1
         return depths
 
     def observe_asks(self, reqs: list, proposals: list) -> None:

@@ -209,9 +209,8 @@ class Engine:
         outputs = self._settle(items, logits, hidden)
         if self.planner is not None:
             sequences = [(it.start, len(it.tokens)) for it in items]
-            self.planner.costs.observe_step(sum(n for _, n in sequences),
-                                            attention_work(sequences, self._padded_attention),
-                                            time.perf_counter() - started - draft_seconds)
+            self.planner.observe_step(sum(n for _, n in sequences), attention_work(sequences, self._padded_attention),
+                                      time.perf_counter() - started - draft_seconds)
         return outputs
 
     def _prefill_item(self, req: Request, n: int) -> _Item:
