@@ -10,6 +10,7 @@ specdec plain decoding's ("same"). Results: a terminal table, JSON, PNG plots.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -301,10 +302,10 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
     labels = list(llms) + list(systems)
     raw: dict[str, dict[str, CategoryResult]] = {name: {c: CategoryResult() for c in prompt_sets} for name in labels}
     progress = tqdm(total=repetitions * len(prompt_sets) * len(labels), desc="bench", unit="run", file=sys.stderr)
-    for rep in range(repetitions):
-        if rep:  # a repetition must not find the previous one's answers in a drafter's pool
-            del llms
-            llms = fresh_llms()
+
+    def run_repetition(rep: int, llms: dict[str, LLM]) -> None:
+        """Every system over every category once; the runners, which hold the engines, end
+        with it."""
         runners = {label: (lambda convs, res, llm=llm: run_llm(llm, convs, params, batch_size, res))
                    for label, llm in llms.items()}
         runners.update(systems)
@@ -321,6 +322,15 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
                 run(conversations, res)
                 res.by_repetition.append((res.tokens - tokens, res.seconds - seconds))
                 progress.update(1)
+
+    for rep in range(repetitions):
+        if rep:  # a repetition must not find the previous one's answers in a drafter's pool
+            # The previous engines go before new ones are built (ten methods' engines twice
+            # over ran a 23 GB machine out of memory).
+            llms = None
+            gc.collect()
+            llms = fresh_llms()
+        run_repetition(rep, llms)
     progress.close()
     for per_cat in raw.values():
         for cat, r in per_cat.items():

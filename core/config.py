@@ -74,7 +74,8 @@ class SpeculativeConfig:
             manual rules; ``false`` drafts ``max_draft_len`` every step (what a
             ``seed`` needs to reproduce sampled output: measured step times vary).
         probe_interval: steps without drafts after which a request the planner keeps from
-            drafting tries a one-level draft again.
+            drafting tries a one-level draft again, when the batch's probe budget (3% of
+            the estimated step time) holds its cost.
         draft_len_schedule: batch size -> draft length. For ``B`` running requests the
             entry with the largest key ``<= B`` applies; ``0`` turns speculation off. A
             tree's node budget shrinks in proportion to its depth.

@@ -64,6 +64,30 @@ def test_bench_user_jsonl_and_its_errors(tmp_path):
     assert result.returncode == 2 and "unknown categories ['poetry']" in result.stderr
 
 
+def test_a_repetition_frees_the_engines_of_the_one_before(tmp_path, monkeypatch):
+    import gc
+    import weakref
+
+    from specdec import bench
+    from specdec.config import config_from_dict
+
+    alive, seen = weakref.WeakSet(), []
+
+    class CountedLLM(bench.LLM):
+        def __init__(self, *args, **kwargs):
+            gc.collect()
+            seen.append(len(alive))  # engines still alive as this one is built
+            super().__init__(*args, **kwargs)
+            alive.add(self)
+
+    monkeypatch.setattr(bench, "LLM", CountedLLM)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "Say hi."}) + "\n")
+    bench.run_bench(config_from_dict({"dtype": "float32"}), ["ngram"], str(data), None, batch_size=1,
+                    temperature=0.0, max_tokens=4, repetitions=3, compare_hf=False)
+    assert seen == [0, 1] * 3  # plain, then ngram, in each repetition: never the last one's engines
+
+
 def test_concurrent_requests_are_distinct():
     from specdec.bench import concurrent_requests
 
