@@ -301,7 +301,12 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
         systems.update(llama_cpp_systems(llms["plain"], gguf, max_tokens))
     labels = list(llms) + list(systems)
     raw: dict[str, dict[str, CategoryResult]] = {name: {c: CategoryResult() for c in prompt_sets} for name in labels}
-    progress = tqdm(total=repetitions * len(prompt_sets) * len(labels), desc="bench", unit="run", file=sys.stderr)
+    # Interleaved batch by batch (a category's next ``batch_size`` requests), in an order that
+    # rotates from one batch to the next: neither a machine that slows down mid-run nor a
+    # system's place in the order biases a method, also on a one-category set.
+    turns = [(category, conversations[i:i + batch_size]) for category, conversations in prompt_sets.items()
+             for i in range(0, len(conversations), batch_size)]
+    progress = tqdm(total=repetitions * len(turns) * len(labels), desc="bench", unit="batch", file=sys.stderr)
 
     def run_repetition(rep: int, llms: dict[str, LLM]) -> None:
         """Every system over every category once; the runners, which hold the engines, end
@@ -309,19 +314,18 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
         runners = {label: (lambda convs, res, llm=llm: run_llm(llm, convs, params, batch_size, res))
                    for label, llm in llms.items()}
         runners.update(systems)
-        # Interleaved, category by category, in an order that rotates from one category to the
-        # next: neither a machine that slows down mid-run nor a system's place in the order
-        # biases a method.
         order = list(runners.items())
-        for turn, (category, conversations) in enumerate(prompt_sets.items(), start=rep * len(prompt_sets)):
+        before = {(name, category): (raw[name][category].tokens, raw[name][category].seconds)
+                  for name in runners for category in prompt_sets}
+        for turn, (category, batch) in enumerate(turns, start=rep * len(turns)):
             shift = turn % len(order)
             for name, run in order[shift:] + order[:shift]:
                 progress.set_postfix_str(f"{name}: {category}")
-                res = raw[name][category]
-                tokens, seconds = res.tokens, res.seconds
-                run(conversations, res)
-                res.by_repetition.append((res.tokens - tokens, res.seconds - seconds))
+                run(batch, raw[name][category])
                 progress.update(1)
+        for (name, category), (tokens, seconds) in before.items():
+            res = raw[name][category]
+            res.by_repetition.append((res.tokens - tokens, res.seconds - seconds))
 
     for rep in range(repetitions):
         if rep:  # a repetition must not find the previous one's answers in a drafter's pool

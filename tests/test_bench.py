@@ -88,6 +88,30 @@ def test_a_repetition_frees_the_engines_of_the_one_before(tmp_path, monkeypatch)
     assert seen == [0, 1] * 3  # plain, then ngram, in each repetition: never the last one's engines
 
 
+def test_systems_take_turns_batch_by_batch_in_a_rotating_order(tmp_path, monkeypatch):
+    from specdec import bench
+    from specdec.config import config_from_dict
+
+    calls = []
+    run_llm = bench.run_llm
+
+    def recorded(llm, conversations, params, batch_size, res):
+        name = "plain" if llm.config.speculative_config is None else "ngram"
+        calls.append((name, conversations[0][-1]["content"]))
+        run_llm(llm, conversations, params, batch_size, res)
+
+    monkeypatch.setattr(bench, "run_llm", recorded)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {word}."}) + "\n" for word in ("one", "two", "three", "four")))
+    report = bench.run_bench(config_from_dict({"dtype": "float32"}), ["ngram"], str(data), None, batch_size=2,
+                             temperature=0.0, max_tokens=2, repetitions=2, compare_hf=False)
+    # one category of two batches: every batch is a turn, and each turn starts one system later
+    assert calls == [("plain", "Say one."), ("ngram", "Say one."), ("ngram", "Say three."), ("plain", "Say three."),
+                     ("plain", "Say one."), ("ngram", "Say one."), ("ngram", "Say three."), ("plain", "Say three.")]
+    plain = report["results"]["plain"]["custom"]
+    assert len(plain["tokens_per_s_by_repetition"]) == 2 and plain["tokens"] == 2 * 4 * 2
+
+
 def test_concurrent_requests_are_distinct():
     from specdec.bench import concurrent_requests
 
