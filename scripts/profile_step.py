@@ -11,7 +11,9 @@ kernels), attention, other tensor operations (with ``--compile``: the compiled g
 fused kernels too), and what is left: Python and dispatch between the operations.
 ``--curve 1 2 4 8 16`` instead times steps of those token counts, interleaved round by
 round: the shape of the step cost the adaptive planner fits (with ``--compile``, the jump
-from the one-token graph to the dynamic one).
+from the one-token graph to the dynamic one). A shape may be a batch, one width per
+sequence: ``--curve 1,1,1,1,1,1,1,1 2,1,1,1,1,1,1,1 2,2,2,2,2,2,2,2`` times eight decoding
+sequences, then one and all of them verifying a draft token.
 """
 
 from __future__ import annotations
@@ -34,26 +36,35 @@ ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_
              "aten::softmax", "aten::_softmax", "aten::index_copy_", "aten::index_select")
 
 
-def step_runner(llm: LLM, context: int, new: int, block_size: int = 16, batch_invariant: bool = False):
-    """A function running one forward of ``new`` tokens after ``context`` cached ones."""
+def step_runner(llm: LLM, context: int, new: int | list[int], block_size: int = 16, batch_invariant: bool = False):
+    """A function running one forward of ``new`` tokens after ``context`` cached ones; with
+    a list, one sequence per entry (its new tokens), each after its own ``context``."""
     target = llm.target
-    blocks = (context + new) // block_size + 2
-    cache = PagedKVCache(target.layer_shapes, blocks, block_size, target.dtype, target.device)
-    table = list(range(blocks))
+    widths = new if isinstance(new, list) else [new]
+    per_sequence = (context + max(widths)) // block_size + 2
+    cache = PagedKVCache(target.layer_shapes, per_sequence * len(widths), block_size, target.dtype, target.device)
+    tables = [list(range(i * per_sequence, (i + 1) * per_sequence)) for i in range(len(widths))]
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.vocab_size, (context + new,), generator=g)
+    ids = [torch.randint(0, target.vocab_size, (context + n,), generator=g) for n in widths]
 
-    def layout(start: int, count: int) -> ForwardMetadata:
-        positions = torch.arange(start, start + count)
-        return ForwardMetadata(cache=cache, layout=AttentionLayout(
-            [SequenceSlice(block_table=table, start=start, positions=positions)], block_size, target.device),
-            batch_invariant=batch_invariant)
+    def layout(start: int, counts: list[int]) -> ForwardMetadata:
+        slices = [SequenceSlice(block_table=table, start=start, positions=torch.arange(start, start + n))
+                  for table, n in zip(tables, counts)]
+        return ForwardMetadata(cache=cache, layout=AttentionLayout(slices, block_size, target.device),
+                               batch_invariant=batch_invariant)
 
-    target.forward(ids[:context], torch.arange(context), layout(0, context), torch.tensor([context - 1]))
-    rows = torch.arange(new)  # every new token's logits, as verification needs
+    for i, seq in enumerate(ids):  # each sequence's context, through its own block table
+        target.forward(seq[:context], torch.arange(context), ForwardMetadata(
+            cache=cache, layout=AttentionLayout([SequenceSlice(block_table=tables[i], start=0,
+                                                               positions=torch.arange(context))],
+                                                block_size, target.device), batch_invariant=batch_invariant),
+            torch.tensor([context - 1]))
+    step_ids = torch.cat([seq[context:] for seq in ids])
+    positions = torch.cat([torch.arange(context, context + n) for n in widths])
+    rows = torch.arange(sum(widths))  # every new token's logits, as verification needs
 
     def run():
-        target.forward(ids[context:], torch.arange(context, context + new), layout(context, new), rows)
+        target.forward(step_ids, positions, layout(context, widths), rows)
 
     return run
 
@@ -68,10 +79,12 @@ def time_step(run, steps: int) -> float:
     return statistics.median(times)
 
 
-def time_curve(llm: LLM, context: int, counts: list[int], rounds: int, batch_invariant: bool) -> dict[int, float]:
-    """Median seconds of a step of each token count, the counts interleaved in every round."""
-    runs = {n: step_runner(llm, context, n, batch_invariant=batch_invariant) for n in counts}
-    times: dict[int, list[float]] = {n: [] for n in counts}
+def time_curve(llm: LLM, context: int, shapes: list[str], rounds: int, batch_invariant: bool) -> dict[str, float]:
+    """Median seconds of a step of each shape (``16``: one sequence of 16 new tokens;
+    ``2,1,1,1``: four sequences, the first verifying two tokens), interleaved in every round."""
+    runs = {n: step_runner(llm, context, [int(w) for w in n.split(",")], batch_invariant=batch_invariant)
+            for n in shapes}
+    times: dict[str, list[float]] = {n: [] for n in shapes}
     for _ in range(rounds + 1):  # the first round warms up
         for n, run in runs.items():
             started = time.perf_counter()
@@ -114,7 +127,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=0, help="also print the N operations that took most time")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--curve", type=int, nargs="+", metavar="TOKENS",
+    p.add_argument("--curve", nargs="+", metavar="TOKENS",
                    help="time steps of these token counts (interleaved, --steps rounds) instead of profiling")
     p.add_argument("--bandwidth", type=float, default=12.0, help="memory bandwidth in GB/s for the floor")
     args = p.parse_args()

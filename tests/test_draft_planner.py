@@ -118,6 +118,28 @@ def test_cost_model_fits_the_jump_from_one_token_to_two():
     assert best_depths(options(0.15), 1, lambda tokens, *_: linear.step_seconds(tokens)) != [0]
 
 
+def test_cost_model_fits_the_jump_when_one_sequence_of_a_batch_verifies_drafts():
+    """Medusa at batch 8 (BENCHMARKS.md): 56.8 ms for eight one-token sequences, 73.0 ms
+    once one of them verifies two draft nodes, 77.4 ms when all eight do."""
+    rng = random.Random(0)
+    costs, line = StepCostModel(), StepCostModel()  # line: told only the step's tokens
+    for _ in range(80):
+        drafting = rng.choice([0, 0, 1, 1, 2, 8])
+        tokens, widest = 8 + 2 * drafting, 3 if drafting else 1
+        seconds = (0.0568 + 0.0155 * (widest > 1) + 0.0003 * tokens) * rng.uniform(0.98, 1.02)
+        costs.observe_step(tokens, 0.0, seconds, widest)
+        line.observe_step(tokens, 0.0, seconds, tokens)
+    assert costs.coefficients()[1] == pytest.approx(0.0155, rel=0.2)
+    # one request of eight, its two nodes accepted 35% of the time: not worth the jump...
+    one = [DraftOption(gains=[0.35], nodes=[0, 2])] + [DraftOption(gains=[], nodes=[0])] * 7
+    assert best_depths(one, 8, lambda tokens, widest, drafting: costs.step_seconds(tokens, 0.0, widest)) == [0] * 8
+    # ...which the line through the wide steps would verify
+    assert best_depths(one, 8, lambda tokens, widest, drafting: line.step_seconds(tokens, 0.0, tokens))[0] == 1
+    # all eight at 60% pay for it together
+    eight = [DraftOption(gains=[0.6], nodes=[0, 2])] * 8
+    assert best_depths(eight, 8, lambda tokens, widest, drafting: costs.step_seconds(tokens, 0.0, widest)) == [1] * 8
+
+
 def test_cost_model_fits_no_jump_without_one_token_steps():
     costs = _fed_a_compiled_curve(StepCostModel(), one_token_steps=False)
     a, jump, b, c = costs.coefficients()
@@ -202,10 +224,10 @@ class PhasedDrafter:
 class SyntheticCosts(StepCostModel):
     """Each verified token costs a quarter of a one-token step; drafting is free."""
 
-    def observe_step(self, num_tokens, work, seconds):
+    def observe_step(self, num_tokens, work, seconds, widest=None):
         pass
 
-    def step_seconds(self, num_tokens, work=0.0):
+    def step_seconds(self, num_tokens, work=0.0, widest=None):
         return 1.0 + 0.25 * num_tokens
 
 
@@ -274,7 +296,7 @@ def test_probes_back_off_while_they_fail_and_reset_when_drafts_pay():
         planner.observe(req, None, depth=4, accepted=0)
     waits, since = [], 0
     for _ in range(130):  # steps: plan, and the engine's bookkeeping of a step without drafts
-        planner.observe_step(1, 0.0, 1.0)
+        planner.observe_step(1, 0.0, 1.0, 1)
         (depth,) = planner.plan([req], [(4, 4)], shape)
         if depth:
             waits.append(since)
@@ -317,7 +339,7 @@ def probing_run(probe_share: float, steps: int = 400) -> tuple[float, float, set
         tokens = 8 + sum(1 + 15 for k in kept if k)
         spent += costs.step_seconds(tokens) - costs.step_seconds(8)
         elapsed += costs.step_seconds(tokens)
-        planner.observe_step(tokens, 0.0, costs.step_seconds(tokens))
+        planner.observe_step(tokens, 0.0, costs.step_seconds(tokens), 16 if any(kept) else 1)
         for req, k in zip(reqs, kept):
             if k:
                 probed.add(req.request_id)

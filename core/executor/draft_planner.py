@@ -40,18 +40,21 @@ from ..kernels.layout import width_group
 
 
 class StepCostModel:
-    """Seconds of a step, ``a + d * [tokens > 1] + b * tokens + c * work``, and of drafting per level.
+    """Seconds of a step, ``a + d * [widest > 1] + b * tokens + c * work``, and of drafting per level.
 
     ``tokens`` is the number of target tokens in the step's forward (weights are streamed
     once per step, each token adds matmul rows); ``work`` the attention it does in
     thousands of query-key pairs (:meth:`AttentionLayout.attention_work`), which grows with
     the batch's contexts and dominates extra tokens on CPU at larger batches. ``d`` is
-    the jump from a one-token forward to any wider one, which the line through wider
-    steps misses: a compiled target runs one token through a graph of its own, and
-    verifying the first draft token can cost several times what each later one does (the
-    embedded model at batch 1, ``scripts/profile_step.py [--compile] --curve 1 2 3 4 8
-    16``: compiled 35.0 / 38.5 / 36.2 / 35.4 / 42.6 / 52.9 ms, eager 45.3 / 50.2 / 46.0 /
-    43.8 / 50.0 / 63.9; BENCHMARKS.md has the runs). It is fitted
+    the jump from a step where every sequence has one new token to one where some
+    sequence (``widest``) has more, which the line through wider steps misses. At batch
+    1: a compiled target runs one token through a graph of its own, and verifying the
+    first draft token can cost several times what each later one does (the embedded model,
+    ``scripts/profile_step.py [--compile] --curve 1 2 3 4 8 16``: compiled 35.0 / 38.5 /
+    36.2 / 35.4 / 42.6 / 52.9 ms, eager 45.3 / 50.2 / 46.0 / 43.8 / 50.0 / 63.9). At batch
+    8 with Medusa: 56.8 ms for eight one-token sequences, 73.0 ms once one of them
+    verifies two draft nodes, 77.4 ms when all eight do (medians of the engine's own
+    steps; BENCHMARKS.md has the runs). It is fitted
     only while both kinds of step have been seen recently; otherwise the model is linear
     in ``tokens``. The coefficients come
     from least squares over every step seen, older steps forgotten geometrically so the
@@ -72,10 +75,12 @@ class StepCostModel:
         self._coefficients: tuple[float, float, float, float] | None = None
         self.draft_level_seconds = 0.0
 
-    def observe_step(self, num_tokens: int, work: float, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int | None = None) -> None:
+        """A step of ``num_tokens`` target tokens, ``widest`` of them in one sequence
+        (None: a single sequence), took ``seconds``."""
         if num_tokens < 1 or seconds <= 0:
             return
-        x = self._features(num_tokens, work)
+        x = self._features(num_tokens, work, widest)
         f = self.forgetting
         for i in range(4):
             self.xty[i] = f * self.xty[i] + x[i] * seconds
@@ -86,8 +91,8 @@ class StepCostModel:
         self._coefficients = None
 
     @staticmethod
-    def _features(num_tokens: int, work: float) -> tuple[float, float, float, float]:
-        return 1.0, float(num_tokens > 1), float(num_tokens), work
+    def _features(num_tokens: int, work: float, widest: int | None) -> tuple[float, float, float, float]:
+        return 1.0, float((num_tokens if widest is None else widest) > 1), float(num_tokens), work
 
     def coefficients(self) -> tuple[float, float, float, float]:
         """(a, d, b, c) of the best non-negative fit; before three steps, the mean step
@@ -119,8 +124,8 @@ class StepCostModel:
         self._coefficients = tuple(best) if best is not None else (self.xty[0] / self.xtx[0][0], 0.0, 0.0, 0.0)
         return self._coefficients
 
-    def step_seconds(self, num_tokens: int, work: float = 0.0) -> float:
-        return sum(c * x for c, x in zip(self.coefficients(), self._features(num_tokens, work)))
+    def step_seconds(self, num_tokens: int, work: float = 0.0, widest: int | None = None) -> float:
+        return sum(c * x for c, x in zip(self.coefficients(), self._features(num_tokens, work, widest)))
 
     def observe_draft(self, depth: int, seconds: float) -> None:
         """A drafting call that asked for ``depth`` levels at most took ``seconds``."""
@@ -255,6 +260,7 @@ class StepShape:
     def __init__(self, sequences: list[tuple[int, int]], padded: bool):
         self.padded = padded
         self.tokens = sum(n for _, n in sequences)
+        self.widest = max((n for _, n in sequences), default=1)  # a prompt chunk, before any draft
         self.work = attention_work(sequences, padded) if sequences else 0.0
         singles = [c + 1 for c, n in sequences if n == 1]
         self.wide_work = attention_work([(c, n) for c, n in sequences if n > 1], padded) if padded else 0.0
@@ -358,13 +364,14 @@ class DraftPlanner:
         self.aux_tokens = 0.0
         self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
 
-    def observe_step(self, num_tokens: int, work: float, seconds: float) -> None:
-        """A step ran (drafting excluded): the cost model learns from it, and probes earn
+    def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int) -> None:
+        """A step ran (drafting excluded; ``widest``: the most new tokens of one
+        sequence): the cost model learns from it, and probes earn
         ``probe_share`` of its estimated time (estimates, not the clock, so that a noisy
         step neither grants nor denies a probe), saved up over four of the longest
         back-offs at most, so that a long spell without probes is no licence for a burst."""
-        self.costs.observe_step(num_tokens, work, seconds)
-        estimate = self.costs.step_seconds(num_tokens, work)
+        self.costs.observe_step(num_tokens, work, seconds, widest)
+        estimate = self.costs.step_seconds(num_tokens, work, widest)
         self.probe_credit = min(self.probe_credit + self.probe_share * estimate,
                                 self.probe_share * 4 * 8 * self.probe_interval * estimate)
 
@@ -398,7 +405,7 @@ class DraftPlanner:
         """The step's estimated seconds by its target tokens, widest sequence and number of
         requests verifying drafts."""
         return lambda tokens, widest, drafting: self.costs.step_seconds(
-            tokens, shape.work_at(tokens, widest, drafting))
+            tokens, shape.work_at(tokens, widest, drafting), max(widest, shape.widest))
 
     def plan(self, reqs: list, caps: list[tuple[int, int]], shape: StepShape) -> list[int]:
         """The depth to ask each request's drafter for, within ``caps`` (depth, nodes): the

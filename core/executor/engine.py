@@ -210,7 +210,7 @@ class Engine:
         if self.planner is not None:
             sequences = [(it.start, len(it.tokens)) for it in items]
             self.planner.observe_step(sum(n for _, n in sequences), attention_work(sequences, self._padded_attention),
-                                      time.perf_counter() - started - draft_seconds)
+                                      time.perf_counter() - started - draft_seconds, max(n for _, n in sequences))
         return outputs
 
     def _prefill_item(self, req: Request, n: int) -> _Item:
