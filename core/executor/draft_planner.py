@@ -22,10 +22,11 @@ drafting is probed with a one-level draft after ``probe_interval`` steps, then a
 twice as many each time the probe does not pay (up to 8x), so that speculation comes
 back on when it would pay again. Probes are paid from a budget shared by the batch: a
 share (3%) of the estimated time of every step, so that a batch of requests whose
-drafts do not pay loses at most that share, whatever a probe costs. Without it, each
-of 8 requests probing lookahead's 15-token window on its own schedule widened about one
-step in four by two thirds (0.92x plain at batch 8 with 97% of the steps off,
-BENCHMARKS.md).
+drafts do not pay loses at most that share, whatever a probe costs, however many
+requests it holds: a lookahead probe brings its 15-token window (eight diverse prompts at
+batch 8, 96 tokens, ``scripts/step_shapes.py lookahead --probe-share X``: 240 tokens of
+probes without the budget, all eight requests probing in the same two steps; 45-165 with
+it, in 3-6 steps).
 """
 
 from __future__ import annotations

@@ -1,0 +1,80 @@
+"""The shapes of a method's steps on a prompt set, and what the target forward took for each.
+
+    .venv/bin/python scripts/step_shapes.py medusa [--batch-size 8] [--max-tokens 96]
+        [--dataset benchmarks/diverse.jsonl] [--probe-share 0.03] [--off] [--batch-invariant]
+
+Runs the first ``--batch-size`` prompts of the set together (greedy, bfloat16, 2 threads)
+and prints the steps, those where some request verified a draft, the target tokens beside
+the prompt and decoding tokens (drafts and lookahead's window: what speculation added),
+and per decode-step shape (sequences, target tokens, widest sequence) the median forward
+time. ``--off`` keeps the method's engine (hidden-state capture, no prefix caching) with
+speculation off (``draft_len_schedule {1: 0}``): the baseline its steps with drafts are
+measured against. ``--probe-share`` sets the adaptive planner's probe budget (``1e9``:
+none). What the adaptive planner's cost model has to learn is in these numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.prompt_sets import load_jsonl
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("method", help="a decoding type, or plain")
+    p.add_argument("--dataset", default="benchmarks/diverse.jsonl")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--probe-share", type=float)
+    p.add_argument("--off", action="store_true", help="the method's engine with speculation off")
+    p.add_argument("--batch-invariant", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    spec = None if args.method == "plain" else {"decoding_type": args.method}
+    if spec and args.off:
+        spec["draft_len_schedule"] = {1: 0}
+    llm = LLM(dtype="bfloat16", speculative_config=spec, engine={"batch_invariant": args.batch_invariant})
+    engine = llm.engine
+    if args.probe_share is not None:
+        engine.planner.probe_share = args.probe_share
+    conversations = [c for convs in load_jsonl(args.dataset).values() for c in convs][:args.batch_size]
+    prompts = [llm.apply_chat_template(c) for c in conversations]
+    steps, forward = [], engine._forward
+
+    def timed_forward(items):
+        started = time.perf_counter()
+        out = forward(items)
+        prefill = any(it.is_prefill for it in items)
+        drafted = any(it.proposal is not None for it in items)
+        steps.append((prefill, drafted, len(items), sum(len(it.tokens) for it in items),
+                      max(len(it.tokens) for it in items), time.perf_counter() - started,
+                      sum(len(it.tokens) - 1 for it in items if not it.is_prefill)))
+        return out
+
+    engine._forward = timed_forward
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up, not counted
+    steps.clear()
+    llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    target_tokens, added = sum(s[3] for s in steps), sum(s[6] for s in steps)
+    print(f"# {args.method}{' (speculation off)' if args.off else ''}, batch {args.batch_size}, "
+          f"{args.max_tokens} tokens: {len(steps)} steps, {sum(s[1] for s in steps)} with drafts; "
+          f"{target_tokens} target tokens, {added} of them drafts and windows (beside each request's last token)")
+    shapes = collections.defaultdict(list)
+    for prefill, _, seqs, tokens, widest, seconds, _ in steps:
+        if not prefill:
+            shapes[(seqs, tokens, widest)].append(seconds)
+    print("sequences  tokens  widest  steps  median forward ms")
+    for (seqs, tokens, widest), times in sorted(shapes.items()):
+        print(f"{seqs:>9} {tokens:>7} {widest:>7} {len(times):>6} {1000 * statistics.median(times):>18.1f}")
+
+
+if __name__ == "__main__":
+    main()
