@@ -119,8 +119,8 @@ def test_cost_model_fits_the_jump_from_one_token_to_two():
 
 
 def test_cost_model_fits_the_jump_when_one_sequence_of_a_batch_verifies_drafts():
-    """Medusa at batch 8 (BENCHMARKS.md): 56.8 ms for eight one-token sequences, 73.0 ms
-    once one of them verifies two draft nodes, 77.4 ms when all eight do."""
+    """A batch of eight whose step jumps by 15.5 ms once any sequence verifies drafts
+    (the shape a one-token graph gives at batch 1), then costs 0.3 ms a token."""
     rng = random.Random(0)
     costs, line = StepCostModel(), StepCostModel()  # line: told only the step's tokens
     for _ in range(80):

@@ -52,10 +52,11 @@ class StepCostModel:
     1: a compiled target runs one token through a graph of its own, and verifying the
     first draft token can cost several times what each later one does (the embedded model,
     ``scripts/profile_step.py [--compile] --curve 1 2 3 4 8 16``: compiled 35.0 / 38.5 /
-    36.2 / 35.4 / 42.6 / 52.9 ms, eager 45.3 / 50.2 / 46.0 / 43.8 / 50.0 / 63.9). At batch
-    8 with Medusa: 56.8 ms for eight one-token sequences, 73.0 ms once one of them
-    verifies two draft nodes, 77.4 ms when all eight do (medians of the engine's own
-    steps; BENCHMARKS.md has the runs). It is fitted
+    36.2 / 35.4 / 42.6 / 52.9 ms, eager 45.3 / 50.2 / 46.0 / 43.8 / 50.0 / 63.9). In a
+    batch the same term prices the first request that verifies drafts; on this CPU that
+    jump measured small (Medusa at batch 8, ``scripts/step_shapes.py medusa``: 39.1 ms for
+    eight one-token sequences, 42.1 / 51.1 / 61.5 ms with 10 / 16 / 24 tokens), and the fit
+    leaves ``d`` near zero where there is none. BENCHMARKS.md has the runs. It is fitted
     only while both kinds of step have been seen recently; otherwise the model is linear
     in ``tokens``. The coefficients come
     from least squares over every step seen, older steps forgotten geometrically so the
