@@ -159,6 +159,26 @@ def test_chunked_prefill_matches_unchunked(tiny_models):
     assert chunked.generate([prompt], params)[0].token_ids == whole.token_ids
 
 
+def test_prompt_chunks_come_before_draft_nodes_in_the_token_budget(tiny_models):
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32", engine={"max_num_tokens": 32},
+              speculative_config={"decoding_type": "ngram", "max_draft_len": 8})
+    engine, params = llm.engine, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request([5 + i, 6, 7, 8], params)
+    engine.step()  # the three short prompts prefilled: they decode from now on
+    engine.add_request(list(range(3, 100)), params)  # a long prompt arrives
+    plan = engine.scheduler.schedule(draft_budget=8)
+    assert len(plan.decodes) == 3 and plan.prefills[0][1] == 32 - 3  # the chunk takes all but the roots
+    assert plan.draft_allowance == [0, 0, 0]
+    decoding = LLM(model=str(tiny_models["llama"]), dtype="float32", engine={"max_num_tokens": 32},
+                   speculative_config={"decoding_type": "ngram", "max_draft_len": 8}).engine
+    for i in range(4):
+        decoding.add_request([5 + i, 6, 7, 8], params)
+    decoding.step()
+    plan = decoding.scheduler.schedule(draft_budget=8)  # nothing to prefill: drafts get what is left
+    assert plan.draft_allowance == [8, 8, 8, 32 - 4 - 24]
+
+
 def test_draft_len_schedule_turns_speculation_off_for_large_batches(tiny_models):
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32",
               speculative_config={"decoding_type": "ngram", "max_draft_len": 4, "draft_len_schedule": {1: 4, 3: 0}})
