@@ -60,8 +60,8 @@ class SpeculativeConfig:
         max_draft_len: the most draft tokens proposed per request and step (tree: depth).
         max_total_draft_tokens: the most tree nodes per request and step (TensorRT-LLM's
             name); ``None``: chains, as many nodes as ``max_draft_len``. The scheduler
-            charges these nodes against ``engine.max_num_tokens``; a larger proposal is
-            trimmed to its first nodes, with a warning.
+            charges these nodes against ``engine.max_num_tokens``, after the step's
+            prompt chunks; a larger proposal is trimmed to its first nodes, with a warning.
         adaptive: each step, give each request the draft depth (tree: the depth and the
             nodes it brings) that maximises the step's expected tokens per second, from
             the request's live acceptance per draft position and the step cost the
