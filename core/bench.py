@@ -49,10 +49,14 @@ class CategoryResult:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    @property
+    def tokens_per_s_by_repetition(self) -> list[float]:
+        return [t / s if s else 0.0 for t, s in self.by_repetition]
+
     def summary(self) -> dict:
         mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         return {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
-                "tokens_per_s_by_repetition": [t / s if s else 0.0 for t, s in self.by_repetition],
+                "tokens_per_s_by_repetition": self.tokens_per_s_by_repetition,
                 "time_to_first_token_s": mean(self.ttft), "time_per_output_token_s": mean(self.tpot),
                 "request_latency_s": mean(self.latency),
                 "identical_to_plain": None if self.identical is None else f"{self.identical}/{len(self.outputs)}",
@@ -350,7 +354,7 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             s["speedup_vs_plain"] = s["tokens_per_s"] / plain_rate if plain_rate else 0.0
             # the spread of a ratio over repetitions is the run's own measure of its noise
             s["speedup_by_repetition"] = [mine / theirs if theirs else 0.0 for mine, theirs in zip(
-                s["tokens_per_s_by_repetition"], raw["plain"][cat].summary()["tokens_per_s_by_repetition"])]
+                s["tokens_per_s_by_repetition"], raw["plain"][cat].tokens_per_s_by_repetition)]
             results[name][cat] = s
     plain = llms["plain"]
     return {"model": plain.target.name, "dtype": str(plain.dtype).replace("torch.", ""), "device": str(plain.device),

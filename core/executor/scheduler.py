@@ -4,8 +4,8 @@ Running requests that decode come first; each needs one KV slot for its root tok
 charged one token against the step's token budget. Prompt chunks come next, and draft
 nodes get what they leave, up to ``draft_budget`` per decoding request: a prompt chunk is
 work its request needs, a draft pays only sometimes (and at batch 8 the adaptive planner
-leaves most steps without drafts). The plan says how many draft nodes each may get (draft slots are reserved
-later, when the drafts exist, and a draft without room is dropped).
+leaves most steps without drafts). The plan says how many draft nodes each may get (draft
+slots are reserved later, when the drafts exist, and a draft without room is dropped).
 When even that slot cannot be had, the most recently admitted request is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed later.
 The rest of the token budget goes to prompt chunks (chunked prefill), of running requests
