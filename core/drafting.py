@@ -75,6 +75,12 @@ class DraftProposal:
                             parents=[where[self.parents[n]] if self.parents[n] >= 0 else -1 for n in keep],
                             draft_probs=None if self.draft_probs is None else self.draft_probs[keep])
 
+    def up_to_depth(self, depth: int) -> DraftProposal | None:
+        """The proposal's nodes down to ``depth``; None for depth 0 (its aux tokens go too)."""
+        if depth == 0:
+            return None
+        return self if depth >= self.depth else self.subset([i for i, d in enumerate(self.depths()) if d <= depth])
+
     @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))

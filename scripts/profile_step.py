@@ -13,7 +13,9 @@ fused kernels too), and what is left: Python and dispatch between the operations
 round: the shape of the step cost the adaptive planner fits (with ``--compile``, the jump
 from the one-token graph to the dynamic one). A shape may be a batch, one width per
 sequence: ``--curve 1,1,1,1,1,1,1,1 2,1,1,1,1,1,1,1 2,2,2,2,2,2,2,2`` times eight decoding
-sequences, then one and all of them verifying a draft token.
+sequences, then one and all of them verifying a draft token; ``t16`` is a tree of 16
+tokens (the root and 15 children of it: each node's own row in the batch-invariant
+attention), ``t16,t16,1,1,1,1,1,1`` two of them in a batch of eight.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_
              "aten::softmax", "aten::_softmax", "aten::index_copy_", "aten::index_select")
 
 
-def step_runner(llm: LLM, context: int, new: int | list[int], block_size: int = 16, batch_invariant: bool = False):
+def step_runner(llm: LLM, context: int, new: int | list[int], block_size: int = 16, batch_invariant: bool = False,
+                trees: list[bool] | None = None):
     """A function running one forward of ``new`` tokens after ``context`` cached ones; with
-    a list, one sequence per entry (its new tokens), each after its own ``context``."""
+    a list, one sequence per entry (its new tokens), each after its own ``context``, those
+    that ``trees`` marks as a root and its children instead of a chain."""
     target = llm.target
     widths = new if isinstance(new, list) else [new]
     per_sequence = (context + max(widths)) // block_size + 2
@@ -47,9 +51,16 @@ def step_runner(llm: LLM, context: int, new: int | list[int], block_size: int = 
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, target.vocab_size, (context + n,), generator=g) for n in widths]
 
+    def star(n: int) -> torch.Tensor:
+        mask = torch.eye(n, dtype=torch.bool)
+        mask[:, 0] = True
+        return mask
+
     def layout(start: int, counts: list[int]) -> ForwardMetadata:
         slices = [SequenceSlice(block_table=table, start=start, positions=torch.arange(start, start + n))
-                  for table, n in zip(tables, counts)]
+                  if not tree else SequenceSlice(block_table=table, start=start, tree_mask=star(n),
+                                                 positions=start + (torch.arange(n) > 0).long())
+                  for table, n, tree in zip(tables, counts, trees or [False] * len(counts))]
         return ForwardMetadata(cache=cache, layout=AttentionLayout(slices, block_size, target.device),
                                batch_invariant=batch_invariant)
 
@@ -60,11 +71,11 @@ def step_runner(llm: LLM, context: int, new: int | list[int], block_size: int = 
                                                 block_size, target.device), batch_invariant=batch_invariant),
             torch.tensor([context - 1]))
     step_ids = torch.cat([seq[context:] for seq in ids])
-    positions = torch.cat([torch.arange(context, context + n) for n in widths])
     rows = torch.arange(sum(widths))  # every new token's logits, as verification needs
 
     def run():
-        target.forward(step_ids, positions, layout(context, widths), rows)
+        meta = layout(context, widths)
+        target.forward(step_ids, meta.layout.query_positions, meta, rows)
 
     return run
 
@@ -82,7 +93,8 @@ def time_step(run, steps: int) -> float:
 def time_curve(llm: LLM, context: int, shapes: list[str], rounds: int, batch_invariant: bool) -> dict[str, float]:
     """Median seconds of a step of each shape (``16``: one sequence of 16 new tokens;
     ``2,1,1,1``: four sequences, the first verifying two tokens), interleaved in every round."""
-    runs = {n: step_runner(llm, context, [int(w) for w in n.split(",")], batch_invariant=batch_invariant)
+    runs = {n: step_runner(llm, context, [int(w.lstrip("t")) for w in n.split(",")], batch_invariant=batch_invariant,
+                           trees=[w.startswith("t") for w in n.split(",")])
             for n in shapes}
     times: dict[str, list[float]] = {n: [] for n in shapes}
     for _ in range(rounds + 1):  # the first round warms up

@@ -1,7 +1,8 @@
 """The shapes of a method's steps on a prompt set, and what the target forward took for each.
 
     .venv/bin/python scripts/step_shapes.py medusa [--batch-size 8] [--max-tokens 96]
-        [--dataset benchmarks/diverse.jsonl] [--probe-share 0.03] [--off] [--batch-invariant]
+        [--dataset benchmarks/diverse.jsonl | --category summarization] [--probe-share 0.03] [--off]
+        [--batch-invariant] [--cold]
 
 Runs the first ``--batch-size`` prompts of the set together (greedy, bfloat16, 2 threads)
 and prints the steps, those where some request verified a draft, the target tokens beside
@@ -10,7 +11,9 @@ and per decode-step shape (sequences, target tokens, widest sequence) the median
 time. ``--off`` keeps the method's engine (hidden-state capture, no prefix caching) with
 speculation off (``draft_len_schedule {1: 0}``): the baseline its steps with drafts are
 measured against. ``--probe-share`` sets the adaptive planner's probe budget (``1e9``:
-none). What the adaptive planner's cost model has to learn is in these numbers.
+none). ``--cold`` skips the warm-up request, so the planner starts on the batch itself,
+as an engine does on its first requests. What the adaptive planner's cost model has to
+learn is in these numbers.
 """
 
 from __future__ import annotations
@@ -23,13 +26,17 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.prompt_sets import load_jsonl
+from specdec.bench import concurrent_requests
+from specdec.prompt_sets import load_jsonl, messages
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("method", help="a decoding type, or plain")
     p.add_argument("--dataset", default="benchmarks/diverse.jsonl")
+    p.add_argument("--category", help="a built-in category of specdec bench instead of --dataset, its "
+                   "requests made distinct as the bench makes them")
+    p.add_argument("--cold", action="store_true", help="no warm-up request: the planner starts on the batch itself")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
@@ -45,7 +52,10 @@ def main() -> None:
     engine = llm.engine
     if args.probe_share is not None:
         engine.planner.probe_share = args.probe_share
-    conversations = [c for convs in load_jsonl(args.dataset).values() for c in convs][:args.batch_size]
+    if args.category:
+        conversations = concurrent_requests(messages(args.category), args.batch_size)
+    else:
+        conversations = [c for convs in load_jsonl(args.dataset).values() for c in convs][:args.batch_size]
     prompts = [llm.apply_chat_template(c) for c in conversations]
     steps, forward = [], engine._forward
 
@@ -60,7 +70,8 @@ def main() -> None:
         return out
 
     engine._forward = timed_forward
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up, not counted
+    if not args.cold:
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up, not counted
     steps.clear()
     llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0))
     target_tokens, added = sum(s[3] for s in steps), sum(s[6] for s in steps)

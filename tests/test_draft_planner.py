@@ -2,6 +2,7 @@
 depths against synthetic cost curves, and the engine switching speculation off and back
 on without changing greedy output."""
 
+import collections
 import itertools
 import random
 
@@ -156,6 +157,19 @@ def test_cost_model_never_fits_a_negative_cost_per_token():
     assert costs.draft_seconds(2) == pytest.approx(0.004)
 
 
+def test_cost_model_keeps_a_token_price_while_every_step_had_the_same_tokens():
+    """Eight long prompts, prefilled in three 512-token chunks: nothing tells what a token
+    costs, and a fit made tokens free (the next step then ran every lookahead window)."""
+    costs = StepCostModel()
+    for _ in range(3):
+        costs.observe_step(512, 0.0, 0.5)
+    assert costs.step_seconds(16) - costs.step_seconds(1) > 15 * 0.5 / 1000
+    for tokens in (8, 8, 24, 8):  # then decode steps, one of them verifying drafts: the data price a token
+        costs.observe_step(tokens, 0.0, 0.060 + 0.0008 * tokens)
+    a, jump, b, c = costs.coefficients()
+    assert b > 0.0005 and a < 0.1
+
+
 def test_attention_work_of_drafts_padded_in_their_own_group():
     from specdec.executor.draft_planner import StepShape, attention_work
 
@@ -302,7 +316,7 @@ def test_probes_back_off_while_they_fail_and_reset_when_drafts_pay():
             waits.append(since)
             since = 0
             (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * depth)], shape)
-            assert kept == 1  # a probe is verified even though the estimate says no
+            assert kept.depth == 1  # a probe is verified even though the estimate says no
             planner.observe(req, None, depth=1, accepted=0)
             req.steps_without_drafts = 0
         else:
@@ -314,7 +328,7 @@ def test_probes_back_off_while_they_fail_and_reset_when_drafts_pay():
     (depth,) = planner.plan([req], [(4, 4)], shape)
     assert depth == 4
     (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * 4)], shape)
-    assert kept == 4 and req.probe_after == 0  # drafts pay again: probes back to the default
+    assert kept.depth == 4 and req.probe_after == 0  # drafts pay again: probes back to the default
 
 
 def probing_run(probe_share: float, steps: int = 400) -> tuple[float, float, set]:
@@ -343,7 +357,7 @@ def probing_run(probe_share: float, steps: int = 400) -> tuple[float, float, set
         for req, k in zip(reqs, kept):
             if k:
                 probed.add(req.request_id)
-                planner.observe(req, None, depth=k, accepted=0)
+                planner.observe(req, None, depth=k.depth, accepted=0)
             req.steps_without_drafts = 0 if k else req.steps_without_drafts + 1
     return spent, elapsed, probed
 
@@ -354,6 +368,43 @@ def test_probes_of_a_batch_spend_at_most_their_share_of_the_step_time():
     assert spent <= 0.03 * elapsed  # ...within the budget
     spent, elapsed, probed = probing_run(probe_share=1.0)
     assert spent > 0.15 * elapsed  # each on its own schedule, probes would cost far more
+
+
+class CheapTokens(SyntheticCosts):
+    """Each verified token costs 1/500 of a step: asking for drafts looks worth it."""
+
+    def step_seconds(self, num_tokens, work=0.0, widest=None):
+        return 1.0 + 0.002 * num_tokens
+
+
+@pytest.mark.parametrize("probe_share", [0.03, 0.1])
+def test_warm_ups_bringing_aux_tokens_only_spend_at_most_the_probe_share(probe_share):
+    """A drafter still filling its state (lookahead's window before its pool has a match)
+    brings no token this step: its aux tokens run only as far as the probe budget goes,
+    every request in turn, however cheap they look to plan()."""
+    from specdec.executor.draft_planner import StepShape
+
+    costs = CheapTokens()
+    planner, reqs = planner_with(costs, probe_share), [request(f"r{i}") for i in range(8)]
+    shape = StepShape([(10, 1)] * 8, padded=False)
+    spent, elapsed, warmed, asked = 0.0, 0.0, collections.Counter(), 0
+    for _ in range(400):
+        depths = planner.plan(reqs, [(4, 4)] * 8, shape)
+        asked += sum(d > 0 for d in depths)
+        proposals = [DraftProposal(token_ids=[], aux_token_ids=[7] * 15, aux_position_offsets=list(range(1, 16)))
+                     if d else None for d in depths]
+        planner.observe_asks(reqs, proposals)
+        kept = planner.trim(reqs, proposals, shape)
+        tokens = 8 + sum(len(k.aux_token_ids) for k in kept if k is not None)
+        spent += costs.step_seconds(tokens) - costs.step_seconds(8)
+        elapsed += costs.step_seconds(tokens)
+        planner.observe_step(tokens, 0.0, costs.step_seconds(tokens), 16 if tokens > 8 else 1)
+        for req, k in zip(reqs, kept):
+            warmed[req.request_id] += k is not None
+            req.steps_without_drafts += 1
+    assert asked > 8 * 300  # plan() asks nearly every request every step...
+    assert len(warmed) == 8 and max(warmed.values()) - min(warmed.values()) <= 2  # ...each warms up in turn...
+    assert probe_share / 2 < spent / elapsed <= probe_share  # ...within the budget (all kept: 19% of the time)
 
 
 def test_a_drafter_that_rarely_has_a_draft_is_asked_only_where_asking_is_cheap():
@@ -371,3 +422,29 @@ def test_a_drafter_that_rarely_has_a_draft_is_asked_only_where_asking_is_cheap()
             planner.observe_asks([req], [None])  # ...but it rarely has one
         assert req.draft_stats.draft_rate() < 0.2
         assert planner.plan([req], [(4, 4)], shape) == [expected]
+
+
+def test_prompt_chunks_are_no_jump_for_the_cost_model(tiny_models):
+    """The engine tells the planner the widest *decoding* sequence: a step whose prompt
+    chunk is wide but whose decodes verify nothing is priced by its tokens and attention,
+    not as the jump a draft brings (read as one, long prompts made every later draft look
+    dear)."""
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32", engine={"max_num_tokens": 16},
+              speculative_config={"decoding_type": "ngram"})
+    engine, seen = llm.engine, []
+    forward, observe = engine._forward, engine.planner.observe_step
+
+    def recording_forward(items):
+        seen.append((any(it.is_prefill for it in items),
+                     max((len(it.tokens) for it in items if not it.is_prefill), default=1)))
+        return forward(items)
+
+    def recording_observe(num_tokens, work, seconds, widest):
+        seen[-1] += (widest,)
+        return observe(num_tokens, work, seconds, widest)
+
+    engine._forward, engine.planner.observe_step = recording_forward, recording_observe
+    prompts = [[5, 6, 7, 8] * 10, [9, 10, 11, 12] * 10, [3, 4] * 12]
+    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert all(widest == decode_widest for _, decode_widest, widest in seen)  # drafts or not
+    assert sum(prefill and widest == 1 for prefill, _, widest in seen) >= 5  # 16-token chunks of 104 tokens

@@ -183,7 +183,8 @@ def test_user_decoding_type_takes_a_class_or_an_instance_in_python(tmp_path):
 
     model = str(testing.tiny_model_dir(tmp_path))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    by_class = LLM(model=model, speculative_config={"decoding_type": "user", "drafter": Echo, "max_draft_len": 2})
+    by_class = LLM(model=model, speculative_config={"decoding_type": "user", "drafter": Echo, "max_draft_len": 2,
+                                                               "adaptive": False})
     assert isinstance(by_class.drafter, Echo)
     assert by_class.generate([[1, 2, 3]], params)[0].metrics.num_draft_tokens > 0
     instance = Counting()

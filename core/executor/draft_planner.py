@@ -26,7 +26,9 @@ drafts do not pay loses at most that share, whatever a probe costs, however many
 requests it holds: a lookahead probe brings its 15-token window (eight diverse prompts at
 batch 8, 96 tokens, ``scripts/step_shapes.py lookahead --probe-share X``: 240 tokens of
 probes without the budget, all eight requests probing in the same two steps; 45-165 with
-it, in 3-6 steps).
+it, in 3-6 steps). A proposal of aux tokens only (lookahead's window while its pool has
+no match) brings nothing this step and is paid from the same budget: running every such
+window made lookahead's first steps at batch 8 cost several plain steps each.
 """
 
 from __future__ import annotations
@@ -47,8 +49,11 @@ class StepCostModel:
     once per step, each token adds matmul rows); ``work`` the attention it does in
     thousands of query-key pairs (:meth:`AttentionLayout.attention_work`), which grows with
     the batch's contexts and dominates extra tokens on CPU at larger batches. ``d`` is
-    the jump from a step where every sequence has one new token to one where some
-    sequence (``widest``) has more, which the line through wider steps misses. At batch
+    the jump from a step where every decoding sequence has one new token to one where
+    some decoding sequence (``widest``) verifies drafts, which the line through wider
+    steps misses. Prompt chunks do not count as wide: their cost is in ``tokens`` and
+    ``work``, and read as a jump, eight long prompts made every later draft at batch 8
+    look 90 ms dear (the built-in summarization prompts, eager bfloat16). At batch
     1: a compiled target runs one token through a graph of its own, and verifying the
     first draft token can cost several times what each later one does (the embedded model,
     ``scripts/profile_step.py [--compile] --curve 1 2 3 4 8 16``: compiled 35.0 / 38.5 /
@@ -97,12 +102,15 @@ class StepCostModel:
         return 1.0, float((num_tokens if widest is None else widest) > 1), float(num_tokens), work
 
     def coefficients(self) -> tuple[float, float, float, float]:
-        """(a, d, b, c) of the best non-negative fit; before three steps, the mean step
-        time with a small per-token slope (drafts look nearly free, so speculation starts
-        on and gets measured)."""
+        """(a, d, b, c) of the best non-negative fit; before three steps, or while every
+        step had (nearly) the same number of tokens, the mean step time with a small
+        per-token slope (drafts look nearly free, so speculation starts on and gets
+        measured). Steps all alike say nothing of what a token costs: fitted, they made
+        tokens free, and eight lookahead windows of 15 tokens ran as if they cost nothing
+        (three 512-token prompt chunks, then steps of 131 tokens at 20x the cost of 8)."""
         if self._coefficients is not None:
             return self._coefficients
-        if self.num_steps < 3:
+        if self.num_steps < 3 or self._token_spread() < 1.0:
             mean = self.xty[0] / self.xtx[0][0] if self.num_steps else 1.0
             return mean, 0.0, mean / 256, 0.0
         wide = self.xtx[1][1]
@@ -125,6 +133,11 @@ class StepCostModel:
                 best, best_residual = full, residual
         self._coefficients = tuple(best) if best is not None else (self.xty[0] / self.xtx[0][0], 0.0, 0.0, 0.0)
         return self._coefficients
+
+    def _token_spread(self) -> float:
+        """Standard deviation of the tokens of the steps seen (decayed weights)."""
+        n = self.xtx[0][0]
+        return math.sqrt(max(self.xtx[2][2] / n - (self.xtx[0][2] / n) ** 2, 0.0))
 
     def step_seconds(self, num_tokens: int, work: float = 0.0, widest: int | None = None) -> float:
         return sum(c * x for c, x in zip(self.coefficients(), self._features(num_tokens, work, widest)))
@@ -262,7 +275,6 @@ class StepShape:
     def __init__(self, sequences: list[tuple[int, int]], padded: bool):
         self.padded = padded
         self.tokens = sum(n for _, n in sequences)
-        self.widest = max((n for _, n in sequences), default=1)  # a prompt chunk, before any draft
         self.work = attention_work(sequences, padded) if sequences else 0.0
         singles = [c + 1 for c, n in sequences if n == 1]
         self.wide_work = attention_work([(c, n) for c, n in sequences if n > 1], padded) if padded else 0.0
@@ -365,10 +377,11 @@ class DraftPlanner:
         self.stats = AcceptanceStats(decay=0.99, prior_weight=2.0)
         self.aux_tokens = 0.0
         self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
+        self.num_warm_ups = 0
 
     def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int) -> None:
         """A step ran (drafting excluded; ``widest``: the most new tokens of one
-        sequence): the cost model learns from it, and probes earn
+        decoding sequence, 1 where none verifies drafts): the cost model learns from it, and probes earn
         ``probe_share`` of its estimated time (estimates, not the clock, so that a noisy
         step neither grants nor denies a probe), saved up over four of the longest
         back-offs at most, so that a long spell without probes is no licence for a burst."""
@@ -407,7 +420,7 @@ class DraftPlanner:
         """The step's estimated seconds by its target tokens, widest sequence and number of
         requests verifying drafts."""
         return lambda tokens, widest, drafting: self.costs.step_seconds(
-            tokens, shape.work_at(tokens, widest, drafting), max(widest, shape.widest))
+            tokens, shape.work_at(tokens, widest, drafting), widest)
 
     def plan(self, reqs: list, caps: list[tuple[int, int]], shape: StepShape) -> list[int]:
         """The depth to ask each request's drafter for, within ``caps`` (depth, nodes): the
@@ -442,32 +455,40 @@ class DraftPlanner:
                 reqs[i].metrics.num_steps_speculation_off += 1
         return depths
 
-    def trim(self, reqs: list, proposals: list, shape: StepShape) -> list[int]:
-        """The depth of each proposal worth verifying (0: none of it), from the acceptance
-        of its own kind; a request due for a probe keeps at least one level."""
+    def trim(self, reqs: list, proposals: list, shape: StepShape) -> list:
+        """The proposals cut to the depth each is worth verifying (None: none of it), from
+        the acceptance of its own kind; a request due for a probe keeps at least one level.
+        A proposal of aux tokens only (lookahead filling its n-gram pool) brings no token
+        this step: like a probe, it runs where plan() paid for a probe or the probe budget
+        holds it, the request that warmed up longest ago first."""
         options = []
-        base_tokens = shape.tokens
         for prop in proposals:
             if prop is not None:
                 self.aux_tokens += 0.2 * (len(prop.aux_token_ids) - self.aux_tokens)
         for req, prop in zip(reqs, proposals):
             if prop is None or prop.depth == 0:
                 options.append(DraftOption([], [0]))
-                base_tokens += len(prop.aux_token_ids) if prop is not None else 0
                 continue
             node_depths = prop.depths()
             nodes = [0] + [sum(d <= j for d in node_depths) + len(prop.aux_token_ids)
                            for j in range(1, prop.depth + 1)]
             options.append(DraftOption(self.request_stats(req).curve(prop.kind, prop.depth), nodes))
         step = self.step_seconds(shape)
-        depths = best_depths(options, base_tokens, step)
-        load = _StepLoad(base_tokens, options, depths)
+        depths = best_depths(options, shape.tokens, step)
+        load = _StepLoad(shape.tokens, options, depths)
         probing, self._probing = self._probing, set()
         cut = []  # drafts the estimate refuses, not already probes
+        warming = []  # aux-only proposals, not already probes
         for i, (req, prop) in enumerate(zip(reqs, proposals)):
-            if prop is None or prop.depth == 0:
+            if prop is None:
                 continue
-            if depths[i] > 0:
+            if prop.depth == 0:
+                if id(req) in probing:
+                    load.add(len(prop.aux_token_ids))
+                    depths[i] = 1
+                else:
+                    warming.append(i)
+            elif depths[i] > 0:
                 req.probe_after = 0
             elif id(req) in probing:  # paid for in plan()
                 depths[i] = 1
@@ -479,10 +500,18 @@ class DraftPlanner:
                 load.add(options[i].nodes[1])
                 depths[i] = 1
                 self._probed(reqs[i])
-        for i in cut:
-            if depths[i] == 0:
-                reqs[i].metrics.num_steps_speculation_off += 1
-        return depths
+        for i in sorted(warming, key=lambda i: reqs[i].last_warm_up):
+            if self._afford_probe(load.extra_seconds(step, len(proposals[i].aux_token_ids))):
+                load.add(len(proposals[i].aux_token_ids))
+                depths[i] = 1
+                reqs[i].last_warm_up = self.num_warm_ups
+                self.num_warm_ups += 1
+        kept = []
+        for i, (req, prop) in enumerate(zip(reqs, proposals)):
+            if prop is not None and depths[i] == 0:
+                req.metrics.num_steps_speculation_off += 1
+            kept.append(prop if prop is None or prop.depth == 0 and depths[i] else prop.up_to_depth(depths[i]))
+        return kept
 
     def observe_asks(self, reqs: list, proposals: list) -> None:
         """Whether each request asked for a draft got one. A proposal of aux tokens only

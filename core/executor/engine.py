@@ -209,8 +209,9 @@ class Engine:
         outputs = self._settle(items, logits, hidden)
         if self.planner is not None:
             sequences = [(it.start, len(it.tokens)) for it in items]
+            widest = max((len(it.tokens) for it in items if not it.is_prefill), default=1)
             self.planner.observe_step(sum(n for _, n in sequences), attention_work(sequences, self._padded_attention),
-                                      time.perf_counter() - started - draft_seconds, max(n for _, n in sequences))
+                                      time.perf_counter() - started - draft_seconds, widest)
         return outputs
 
     def _prefill_item(self, req: Request, n: int) -> _Item:
@@ -260,9 +261,7 @@ class Engine:
             if self.planner is not None:
                 self.planner.observe_asks([reqs[i] for i in answered], [proposals[i] for i in answered])
         if self.planner is not None and any(p is not None for p in proposals):
-            depths = self.planner.trim(reqs, proposals, before_drafts)
-            proposals = [p if p is None or p.depth <= d else self._keep_depth(p, d)
-                         for p, d in zip(proposals, depths)]
+            proposals = self.planner.trim(reqs, proposals, before_drafts)
         items = []
         for req, prop in zip(reqs, proposals):
             root = req.num_computed
@@ -320,19 +319,12 @@ class Engine:
             if not prop.is_chain:
                 self._log_once("depth", "drafter proposed a tree of depth %d > draft length %d; trimmed",
                                prop.depth, max_depth)
-            prop = self._keep_depth(prop, max_depth)
+            prop = prop.up_to_depth(max_depth)
         if prop is not None and len(prop.token_ids) > max_nodes:
             self._log_once("nodes", "drafter proposed %d nodes > max_total_draft_tokens %d; trimmed to its "
                            "first nodes", len(prop.token_ids), max_nodes)
             prop = prop.subset(list(range(max_nodes)))
         return prop if prop is not None and (prop.token_ids or prop.aux_token_ids) else None
-
-    @staticmethod
-    def _keep_depth(prop: DraftProposal, depth: int) -> DraftProposal | None:
-        """The proposal's nodes down to ``depth``; None for depth 0 (its aux tokens go too)."""
-        if depth == 0:
-            return None
-        return prop.subset([i for i, d in enumerate(prop.depths()) if d <= depth])
 
     def _forward(self, items: list[_Item]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         device = self.target.device

@@ -47,6 +47,7 @@ class Request:
     draft_stats: AcceptanceStats | None = None
     steps_without_drafts: int = 0  # decode steps since a draft was last verified
     probe_after: int = 0  # steps without drafts before the planner probes again (0: its default)
+    last_warm_up: int = -1  # serial number of its last aux-only warm-up (the planner runs the oldest first)
     stop_text: str | None = None  # the output text cut before a stop string that ended it
 
     @property
