@@ -105,9 +105,9 @@ class StepCostModel:
         """(a, d, b, c) of the best non-negative fit; before three steps, or while every
         step had (nearly) the same number of tokens, the mean step time with a small
         per-token slope (drafts look nearly free, so speculation starts on and gets
-        measured). Steps all alike say nothing of what a token costs: fitted, they made
-        tokens free, and eight lookahead windows of 15 tokens ran as if they cost nothing
-        (three 512-token prompt chunks, then steps of 131 tokens at 20x the cost of 8)."""
+        measured). Steps all alike say nothing of what a token costs: fitted, three
+        512-token prompt chunks made tokens free, and the next step ran the windows of
+        eight lookahead requests (15 tokens each) as if they cost nothing."""
         if self._coefficients is not None:
             return self._coefficients
         if self.num_steps < 3 or self._token_spread() < 1.0:
@@ -478,14 +478,14 @@ class DraftPlanner:
         load = _StepLoad(shape.tokens, options, depths)
         probing, self._probing = self._probing, set()
         cut = []  # drafts the estimate refuses, not already probes
-        warming = []  # aux-only proposals, not already probes
+        warming, warm = [], set()  # aux-only proposals: not already probes; kept
         for i, (req, prop) in enumerate(zip(reqs, proposals)):
             if prop is None:
                 continue
             if prop.depth == 0:
                 if id(req) in probing:
                     load.add(len(prop.aux_token_ids))
-                    depths[i] = 1
+                    warm.add(i)
                 else:
                     warming.append(i)
             elif depths[i] > 0:
@@ -503,14 +503,14 @@ class DraftPlanner:
         for i in sorted(warming, key=lambda i: reqs[i].last_warm_up):
             if self._afford_probe(load.extra_seconds(step, len(proposals[i].aux_token_ids))):
                 load.add(len(proposals[i].aux_token_ids))
-                depths[i] = 1
+                warm.add(i)
                 reqs[i].last_warm_up = self.num_warm_ups
                 self.num_warm_ups += 1
-        kept = []
-        for i, (req, prop) in enumerate(zip(reqs, proposals)):
-            if prop is not None and depths[i] == 0:
+        kept = [prop if i in warm else None if prop is None else prop.up_to_depth(depths[i])
+                for i, prop in enumerate(proposals)]
+        for req, prop, k in zip(reqs, proposals, kept):
+            if prop is not None and k is None:
                 req.metrics.num_steps_speculation_off += 1
-            kept.append(prop if prop is None or prop.depth == 0 and depths[i] else prop.up_to_depth(depths[i]))
         return kept
 
     def observe_asks(self, reqs: list, proposals: list) -> None:
