@@ -30,6 +30,8 @@ CASES = [  # heads, kv_heads, dim, block size, (committed, new, tree?) per seque
     (4, 2, 16, 4, [(5, 3, False), (33, 5, True), (64, 1, False)], None, None),
     (4, 1, 32, 4, [(70, 4, True), (12, 1, False), (0, 20, False)], 8, None),
     (4, 2, 16, 4, [(11, 3, False), (60, 7, True)], None, 30.0),
+    # trees past a context block of their own: the torch attention shares those blocks across a tree's nodes
+    (9, 3, 64, 16, [(150, 8, True), (140, 1, False), (70, 5, True)], None, None),
 ]
 
 

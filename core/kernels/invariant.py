@@ -234,8 +234,8 @@ def invariant_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value
     kv_heads, dim_v = key_pool.shape[1], value_pool.shape[-1]
     rep = heads // kv_heads
     queries, keys, values = query.reshape(-1, dim), key_pool.view(-1, dim), value_pool.view(-1, dim_v)
-    groups = layout.invariant_rows
-    out = None if len(groups) == 1 else query.new_empty(tokens, heads, dim_v)
+    groups, trees = layout.invariant_causal_rows, layout.invariant_trees
+    out = None if len(groups) == 1 and not trees else query.new_empty(tokens, heads, dim_v)
     for g in groups:
         rows, width = g["slots"].shape
         q_index, kv_index, bias, o_index, height = _group_plan(g, kv_heads, rep, tokens, sliding_window)
@@ -256,4 +256,68 @@ def invariant_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value
             out = o
         else:
             out.index_copy_(0, g["tokens"], o)
+    for tree in trees:
+        out.index_copy_(0, tree["tokens"], _tree_attention(query, key_pool, value_pool, tree, scale, sliding_window,
+                                                           softcap))
     return out
+
+
+def _padded_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to a multiple of :data:`ROW_MULTIPLE`."""
+    pad = -x.shape[dim] % ROW_MULTIPLE
+    if not pad:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def _tree_attention(query, key_pool, value_pool, tree: dict, scale: float, sliding_window: int | None,
+                    softcap: float | None) -> torch.Tensor:
+    """One draft tree's attention, each node getting what its own key row (context, then
+    ancestors) gives it in :func:`invariant_attention_torch`, without gathering the context
+    once per node: the scores of all nodes against the tree's keys in one product (rows a
+    multiple of :data:`ROW_MULTIPLE`, as the per-row products), each node's row gathered
+    from them; the value blocks that hold context only, shared by every node, in one
+    product, the others per node; the block sums added in the same order. A tree of n
+    nodes over a context of c keys gathered ``n * c`` keys and values in float32 per layer
+    before, ``c + n`` now. ``[n, heads, value_dim]``."""
+    heads, _, dim = query.shape
+    kv_heads, dim_v = key_pool.shape[1], value_pool.shape[-1]
+    rep, height = heads // kv_heads, -(-heads // kv_heads // ROW_MULTIPLE) * ROW_MULTIPLE
+    cols, context = tree["cols"], int(tree["context"])
+    n, width = cols.shape
+    num_keys = len(tree["slots"])
+    padded_keys = -(-num_keys // KEY_BLOCK) * KEY_BLOCK
+    # [kv_heads, n * rep, dim], node-major: the query heads of a KV head folded into rows
+    q = query.index_select(1, tree["tokens"]).view(kv_heads, rep, n, dim).transpose(1, 2).reshape(kv_heads, -1, dim)
+    q = _padded_rows(q.float(), 1)
+    k = F.pad(key_pool.index_select(0, tree["slots"]).float(), (0, 0, 0, 0, 0, padded_keys - num_keys))
+    k = k.permute(1, 2, 0)  # [kv_heads, dim, keys]
+    if softcap is None:
+        scores = torch.baddbmm(q.new_zeros(kv_heads, q.shape[1], padded_keys), q, k, alpha=scale)
+    else:
+        scores = torch.tanh(torch.bmm(q, k) * (scale / softcap)) * softcap
+    # one -inf column for the rows' padding, then every node's row: [kv_heads, n, rep, width]
+    scores = F.pad(scores[:, :n * rep, :num_keys], (0, 1), value=float("-inf")).view(kv_heads, n, rep, -1)
+    rows = scores.gather(3, cols[None, :, None, :].expand(kv_heads, n, rep, width))
+    if sliding_window is not None:
+        key_pos = F.pad(tree["key_pos"], (0, 1))[cols]
+        hidden = (tree["query_pos"][:, None] - key_pos) >= sliding_window
+        rows = rows.masked_fill(hidden[None, :, None, :], float("-inf"))
+    blocks, shared = width // KEY_BLOCK, context // KEY_BLOCK
+    probs = torch.softmax(rows, dim=-1).view(kv_heads, n, rep, blocks, KEY_BLOCK)
+    v = F.pad(value_pool.index_select(0, tree["slots"]).float(), (0, 0, 0, 0, 0, 1))  # a zero value for padding
+    v = v.transpose(0, 1)  # [kv_heads, keys + 1, value_dim]
+    # context-only blocks: every node's rows against the same values, [kv_heads, blocks, n * rep, value_dim]
+    p_shared = _padded_rows(probs[:, :, :, :shared].permute(0, 3, 1, 2, 4).reshape(kv_heads, shared, n * rep,
+                                                                                    KEY_BLOCK), 2)
+    o_shared = torch.matmul(p_shared, v[:, :shared * KEY_BLOCK].reshape(kv_heads, shared, KEY_BLOCK, dim_v))
+    o_shared = o_shared[:, :, :n * rep].view(kv_heads, shared, n, rep, dim_v).permute(0, 2, 1, 3, 4)
+    # the rest per node, on rows padded as the per-row products pad them
+    p_own = _padded_rows(probs[:, :, :, shared:].transpose(2, 3), 3)  # [kv_heads, n, blocks, height, KEY_BLOCK]
+    v_own = v[:, cols[:, shared * KEY_BLOCK:]].view(kv_heads, n, blocks - shared, KEY_BLOCK, dim_v)
+    o_own = torch.matmul(p_own, v_own)
+    o_blocks = torch.cat([_padded_rows(o_shared, 3), o_own], 2).view(kv_heads * n, blocks, height, dim_v)
+    o = o_blocks.sum(dim=1)[:, :rep].view(kv_heads, n, rep, dim_v)
+    return o.permute(1, 0, 2, 3).reshape(n, heads, dim_v).to(query.dtype)

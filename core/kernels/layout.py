@@ -169,11 +169,57 @@ class AttentionLayout:
 
     @cached_property
     def invariant_rows(self) -> list[dict[str, torch.Tensor]]:
+        """:meth:`invariant_row_groups` with every node of a draft tree a key row of its own
+        (the Triton kernel's view)."""
+        return self.invariant_row_groups(trees=True)
+
+    @cached_property
+    def invariant_causal_rows(self) -> list[dict[str, torch.Tensor]]:
+        """:meth:`invariant_row_groups` without the draft trees, which the torch attention
+        reads from :attr:`invariant_trees`."""
+        return self.invariant_row_groups(trees=False)
+
+    def _is_tree(self, s: SequenceSlice) -> bool:
+        return s.tree_mask is not None and not bool(torch.equal(s.tree_mask.cpu(), causal_mask(len(s.positions))))
+
+    @staticmethod
+    def _node_columns(s: SequenceSlice) -> list[torch.Tensor]:
+        """Each tree node's key columns among its sequence's: the context, then the new
+        tokens it sees (its ancestors and itself) in order."""
+        return [torch.cat([torch.arange(s.start), s.start + s.tree_mask[i].cpu().nonzero().flatten()])
+                for i in range(len(s.positions))]
+
+    @cached_property
+    def invariant_trees(self) -> list[dict[str, torch.Tensor]]:
+        """The draft trees of the step as the torch batch-invariant attention reads them:
+        one product over the keys a tree's nodes see (its context and its new tokens) for
+        all its nodes, then each node's key row gathered from the scores (``cols [n, W]``:
+        the row's key columns among ``slots``' ``c + n``, its context first, then its
+        ancestors in order; padding points at column ``c + n``). Per tree: ``slots``,
+        ``key_pos``, ``cols``, ``context`` (``c``), ``tokens`` (packed), ``query_pos``."""
+        out, first = [], 0
+        for s in self.seqs:
+            n = len(s.positions)
+            if self._is_tree(s):
+                c = s.start
+                rows = self._node_columns(s)
+                width = -(-max(len(r) for r in rows) // KEY_BLOCK) * KEY_BLOCK
+                cols = pad_sequence(rows, batch_first=True, padding_value=c + n)
+                cols = F.pad(cols, (0, width - cols.shape[1]), value=c + n)
+                tree = {"slots": self._key_slots(s, c + n), "context": torch.tensor(c),
+                        "key_pos": torch.cat([torch.arange(c), s.positions.cpu()]), "cols": cols,
+                        "tokens": torch.arange(first, first + n), "query_pos": s.positions.cpu()}
+                out.append({k: v.to(self.device) for k, v in tree.items()})
+            first += n
+        return out
+
+    def invariant_row_groups(self, trees: bool) -> list[dict[str, torch.Tensor]]:
         """The batch-invariant attention's view (:mod:`.invariant`): key rows in which a
         query at position ``p`` sees its keys at columns ``0..p``, as plain decoding lays
         them out. A causal sequence (a prompt chunk, a decode token, a draft chain) is one
         row shared by its queries; each node of a draft tree gets its own row, its
-        ancestors compacted behind the context. Rows are grouped like :attr:`padded` (by
+        ancestors compacted behind the context (``trees``; else the trees are left out).
+        Rows are grouped like :attr:`padded` (by
         their number of queries), padded to the group's most queries and to a multiple of
         :data:`.invariant.KEY_BLOCK` keys. Per group: ``slots [R, W]``,
         ``key_pos [R, W]``, ``queries [R, M]`` (packed token index; padding repeats token
@@ -191,12 +237,11 @@ class AttentionLayout:
             positions = s.positions.cpu()
             key_pos.append(torch.cat([torch.arange(s.start), positions]))
             tokens = torch.arange(first, first + n)
-            if s.tree_mask is None or bool(torch.equal(s.tree_mask.cpu(), causal_mask(n))):
+            if not self._is_tree(s):
                 groups.setdefault(width_group(n), []).append(
                     (b, torch.arange(s.start + n), tokens, positions, torch.arange(s.start + 1, s.start + n + 1)))
-            else:
-                for i in range(n):
-                    cols = torch.cat([torch.arange(s.start), s.start + s.tree_mask[i].cpu().nonzero().flatten()])
+            elif trees:
+                for i, cols in enumerate(self._node_columns(s)):
                     groups.setdefault(1, []).append((b, cols, tokens[i:i + 1], positions[i:i + 1],
                                                      torch.tensor([len(cols)])))
             first += n
