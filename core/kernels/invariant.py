@@ -290,7 +290,7 @@ def _tree_attention(query, key_pool, value_pool, tree: dict, scale: float, slidi
     heads, _, dim = query.shape
     kv_heads, dim_v = key_pool.shape[1], value_pool.shape[-1]
     rep, height = heads // kv_heads, -(-heads // kv_heads // ROW_MULTIPLE) * ROW_MULTIPLE
-    cols, context = tree["cols"], int(tree["context"])
+    cols, context = tree["cols"], tree["context"]
     n, width = cols.shape
     num_keys = len(tree["slots"])
     padded_keys = -(-num_keys // KEY_BLOCK) * KEY_BLOCK

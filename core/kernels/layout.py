@@ -179,8 +179,11 @@ class AttentionLayout:
         reads from :attr:`invariant_trees`."""
         return self.invariant_row_groups(trees=False)
 
-    def _is_tree(self, s: SequenceSlice) -> bool:
-        return s.tree_mask is not None and not bool(torch.equal(s.tree_mask.cpu(), causal_mask(len(s.positions))))
+    @cached_property
+    def _is_tree(self) -> list[bool]:
+        """Per sequence: whether its new tokens are a draft tree (a mask other than causal)."""
+        return [s.tree_mask is not None and not bool(torch.equal(s.tree_mask.cpu(), causal_mask(len(s.positions))))
+                for s in self.seqs]
 
     @staticmethod
     def _node_columns(s: SequenceSlice) -> list[torch.Tensor]:
@@ -196,20 +199,20 @@ class AttentionLayout:
         all its nodes, then each node's key row gathered from the scores (``cols [n, W]``:
         the row's key columns among ``slots``' ``c + n``, its context first, then its
         ancestors in order; padding points at column ``c + n``). Per tree: ``slots``,
-        ``key_pos``, ``cols``, ``context`` (``c``), ``tokens`` (packed), ``query_pos``."""
+        ``key_pos``, ``cols``, ``tokens`` (packed), ``query_pos`` on the device, and
+        ``context`` (``c``, an int)."""
         out, first = [], 0
-        for s in self.seqs:
+        for s, is_tree in zip(self.seqs, self._is_tree):
             n = len(s.positions)
-            if self._is_tree(s):
+            if is_tree:
                 c = s.start
                 rows = self._node_columns(s)
                 width = -(-max(len(r) for r in rows) // KEY_BLOCK) * KEY_BLOCK
                 cols = pad_sequence(rows, batch_first=True, padding_value=c + n)
                 cols = F.pad(cols, (0, width - cols.shape[1]), value=c + n)
-                tree = {"slots": self._key_slots(s, c + n), "context": torch.tensor(c),
-                        "key_pos": torch.cat([torch.arange(c), s.positions.cpu()]), "cols": cols,
-                        "tokens": torch.arange(first, first + n), "query_pos": s.positions.cpu()}
-                out.append({k: v.to(self.device) for k, v in tree.items()})
+                tree = {"slots": self._key_slots(s, c + n), "key_pos": torch.cat([torch.arange(c), s.positions.cpu()]),
+                        "cols": cols, "tokens": torch.arange(first, first + n), "query_pos": s.positions.cpu()}
+                out.append({"context": c, **{k: v.to(self.device) for k, v in tree.items()}})
             first += n
         return out
 
@@ -237,7 +240,7 @@ class AttentionLayout:
             positions = s.positions.cpu()
             key_pos.append(torch.cat([torch.arange(s.start), positions]))
             tokens = torch.arange(first, first + n)
-            if not self._is_tree(s):
+            if not self._is_tree[b]:
                 groups.setdefault(width_group(n), []).append(
                     (b, torch.arange(s.start + n), tokens, positions, torch.arange(s.start + 1, s.start + n + 1)))
             elif trees:
