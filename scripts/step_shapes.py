@@ -10,7 +10,9 @@ the prompt and decoding tokens (drafts and lookahead's window: what speculation 
 and per decode-step shape (sequences, target tokens, widest sequence) the median forward
 time. ``--off`` keeps the method's engine (hidden-state capture, no prefix caching) with
 speculation off (``draft_len_schedule {1: 0}``): the baseline its steps with drafts are
-measured against. ``--probe-share`` sets the adaptive planner's probe budget (``1e9``:
+measured against. ``step ms`` is the whole step as the engine times it for its cost model
+(drafting excluded), ``predicted ms`` what the cost model expected of that step just before
+it learnt from it (0 without the adaptive planner). ``--probe-share`` sets the adaptive planner's probe budget (``1e9``:
 none). ``--cold`` skips the warm-up request, so the planner starts on the batch itself,
 as an engine does on its first requests. What the adaptive planner's cost model has to
 learn is in these numbers.
@@ -70,21 +72,33 @@ def main() -> None:
         return out
 
     engine._forward = timed_forward
+    planned = []  # per step: what the engine timed (drafting excluded) and what the cost model expected
+    if engine.planner is not None:
+        observe = engine.planner.observe_step
+
+        def observing(num_tokens, work, seconds, widest):
+            planned.append((seconds, engine.planner.costs.step_seconds(num_tokens, work, widest)))
+            observe(num_tokens, work, seconds, widest)
+
+        engine.planner.observe_step = observing
     if not args.cold:
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up, not counted
     steps.clear()
+    planned.clear()
     llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0))
     target_tokens, added = sum(s[3] for s in steps), sum(s[6] for s in steps)
     print(f"# {args.method}{' (speculation off)' if args.off else ''}, batch {args.batch_size}, "
           f"{args.max_tokens} tokens: {len(steps)} steps, {sum(s[1] for s in steps)} with drafts; "
           f"{target_tokens} target tokens, {added} of them drafts and windows (beside each request's last token)")
     shapes = collections.defaultdict(list)
-    for prefill, _, seqs, tokens, widest, seconds, _ in steps:
+    for i, (prefill, _, seqs, tokens, widest, seconds, _) in enumerate(steps):
         if not prefill:
-            shapes[(seqs, tokens, widest)].append(seconds)
-    print("sequences  tokens  widest  steps  median forward ms")
+            shapes[(seqs, tokens, widest)].append((seconds, *(planned[i] if planned else (0.0, 0.0))))
+    print("sequences  tokens  widest  steps  median forward ms  step ms  predicted ms")
     for (seqs, tokens, widest), times in sorted(shapes.items()):
-        print(f"{seqs:>9} {tokens:>7} {widest:>7} {len(times):>6} {1000 * statistics.median(times):>18.1f}")
+        forward_ms, step_ms, predicted_ms = (1000 * statistics.median(t) for t in zip(*times))
+        print(f"{seqs:>9} {tokens:>7} {widest:>7} {len(times):>6} {forward_ms:>18.1f} {step_ms:>8.1f} "
+              f"{predicted_ms:>13.1f}")
 
 
 if __name__ == "__main__":

@@ -397,6 +397,17 @@ class DraftPlanner:
         self.probe_credit -= max(seconds, 0.0)
         return True
 
+    def _paid_from_budget(self, order: list[int], extra_tokens: Callable[[int], int], load: _StepLoad,
+                          step: Callable[[int, int, int], float]) -> list[int]:
+        """The candidates in ``order`` whose ``extra_tokens`` the probe budget pays for,
+        each added to the step's ``load`` as it is paid."""
+        paid = []
+        for i in order:
+            if self._afford_probe(load.extra_seconds(step, extra_tokens(i))):
+                load.add(extra_tokens(i))
+                paid.append(i)
+        return paid
+
     def _overdue_first(self, reqs: list, candidates: list[int]) -> list[int]:
         """The requests among ``candidates`` due for a probe, the longest overdue first."""
         due = [i for i in candidates if self._probe_due(reqs[i])]
@@ -495,17 +506,14 @@ class DraftPlanner:
                 load.add(options[i].nodes[1])
             else:
                 cut.append(i)
-        for i in self._overdue_first(reqs, cut):
-            if self._afford_probe(load.extra_seconds(step, options[i].nodes[1])):
-                load.add(options[i].nodes[1])
-                depths[i] = 1
-                self._probed(reqs[i])
-        for i in sorted(warming, key=lambda i: reqs[i].last_warm_up):
-            if self._afford_probe(load.extra_seconds(step, len(proposals[i].aux_token_ids))):
-                load.add(len(proposals[i].aux_token_ids))
-                warm.add(i)
-                reqs[i].last_warm_up = self.num_warm_ups
-                self.num_warm_ups += 1
+        for i in self._paid_from_budget(self._overdue_first(reqs, cut), lambda i: options[i].nodes[1], load, step):
+            depths[i] = 1
+            self._probed(reqs[i])
+        for i in self._paid_from_budget(sorted(warming, key=lambda i: reqs[i].last_warm_up),
+                                        lambda i: len(proposals[i].aux_token_ids), load, step):
+            warm.add(i)
+            reqs[i].last_warm_up = self.num_warm_ups
+            self.num_warm_ups += 1
         kept = [prop if i in warm else None if prop is None else prop.up_to_depth(depths[i])
                 for i, prop in enumerate(proposals)]
         for req, prop, k in zip(reqs, proposals, kept):

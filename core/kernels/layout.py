@@ -79,6 +79,14 @@ class AttentionLayout:
         return torch.cat([self._key_slots(s, len(s.positions), s.start) for s in self.seqs]).to(self.device)
 
     @cached_property
+    def first_tokens(self) -> list[int]:
+        """Each sequence's first token in the packed batch."""
+        first = [0]
+        for s in self.seqs[:-1]:
+            first.append(first[-1] + len(s.positions))
+        return first
+
+    @cached_property
     def query_positions(self) -> torch.Tensor:
         return torch.cat([s.positions for s in self.seqs]).to(self.device)
 
@@ -139,9 +147,7 @@ class AttentionLayout:
         groups: dict[int, list[int]] = {}
         for b, s in enumerate(self.seqs):
             groups.setdefault(width_group(len(s.positions)), []).append(b)
-        first = [0]
-        for s in self.seqs:
-            first.append(first[-1] + len(s.positions))
+        first = self.first_tokens
         out = []
         for _, members in sorted(groups.items()):
             seqs = [self.seqs[b] for b in members]
@@ -201,8 +207,8 @@ class AttentionLayout:
         ancestors in order; padding points at column ``c + n``). Per tree: ``slots``,
         ``key_pos``, ``cols``, ``tokens`` (packed), ``query_pos`` on the device, and
         ``context`` (``c``, an int)."""
-        out, first = [], 0
-        for s, is_tree in zip(self.seqs, self._is_tree):
+        out = []
+        for s, is_tree, first in zip(self.seqs, self._is_tree, self.first_tokens):
             n = len(s.positions)
             if is_tree:
                 c = s.start
@@ -213,7 +219,6 @@ class AttentionLayout:
                 tree = {"slots": self._key_slots(s, c + n), "key_pos": torch.cat([torch.arange(c), s.positions.cpu()]),
                         "cols": cols, "tokens": torch.arange(first, first + n), "query_pos": s.positions.cpu()}
                 out.append({"context": c, **{k: v.to(self.device) for k, v in tree.items()}})
-            first += n
         return out
 
     def invariant_row_groups(self, trees: bool) -> list[dict[str, torch.Tensor]]:
@@ -234,8 +239,7 @@ class AttentionLayout:
         # a member: (sequence, its key columns in the row, its queries' packed tokens, positions, key counts)
         groups: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         key_pos: list[torch.Tensor] = []
-        first = 0
-        for b, s in enumerate(self.seqs):
+        for b, (s, first) in enumerate(zip(self.seqs, self.first_tokens)):
             n = len(s.positions)
             positions = s.positions.cpu()
             key_pos.append(torch.cat([torch.arange(s.start), positions]))
@@ -247,7 +251,6 @@ class AttentionLayout:
                 for i, cols in enumerate(self._node_columns(s)):
                     groups.setdefault(1, []).append((b, cols, tokens[i:i + 1], positions[i:i + 1],
                                                      torch.tensor([len(cols)])))
-            first += n
         tables = pad_sequence([torch.tensor(s.block_table) for s in self.seqs], batch_first=True)
         key_pos_table = pad_sequence(key_pos, batch_first=True)
         out = []
@@ -310,16 +313,11 @@ class AttentionLayout:
         max_new = max(len(s.positions) for s in self.seqs)
         tables = torch.zeros(len(self.seqs), width, dtype=torch.int32)
         trees = torch.zeros(self.num_tokens, max_new, dtype=torch.int8)
-        first, starts, num_new = [], [], []
-        row = 0
-        for i, s in enumerate(self.seqs):
+        for i, (s, row) in enumerate(zip(self.seqs, self.first_tokens)):
             n = len(s.positions)
             tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
             trees[row:row + n, :n] = self._tree(s).to(torch.int8)
-            first.append(row)
-            starts.append(s.start)
-            num_new.append(n)
-            row += n
         to = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
         return {"block_tables": tables.to(self.device), "tree_mask": trees.to(self.device),
-                "first_token": to(first), "starts": to(starts), "num_new": to(num_new)}
+                "first_token": to(self.first_tokens), "starts": to([s.start for s in self.seqs]),
+                "num_new": to([len(s.positions) for s in self.seqs])}
