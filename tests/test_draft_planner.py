@@ -170,19 +170,33 @@ def test_cost_model_keeps_a_token_price_while_every_step_had_the_same_tokens():
     assert b > 0.0005 and a < 0.1
 
 
-def test_attention_work_of_drafts_padded_in_their_own_group():
+def test_attention_work_counts_the_padded_groups_the_torch_attention_runs():
     from specdec.executor.draft_planner import StepShape, attention_work
+    from specdec.kernels.layout import GROUP_PAIRS, KEY_GATHER_PAIRS as G
 
     batch = StepShape([(300, 1)] * 8, padded=True)
-    assert batch.work == pytest.approx(8 * 1 * 301 / 1000)
-    # one request verifying 13 tokens: its own padded group of 13 queries over 313 keys
-    assert batch.work_at(20, 13, 1) == pytest.approx((7 * 301 + 13 * 313) / 1000)
+    assert batch.work == pytest.approx((GROUP_PAIRS + 8 * 301 * (1 + G)) / 1000)
+    # one request verifying 13 tokens: a padded group of its own, 13 queries over 313 keys
+    own_group = (2 * GROUP_PAIRS + 7 * 301 * (1 + G) + 313 * (13 + G)) / 1000
+    assert batch.work_at(20, 13, 1) == pytest.approx(own_group)
     assert batch.work_at(20, 13, 1) == pytest.approx(attention_work([(300, 1)] * 7 + [(300, 13)], True))
+    # one verifying a single draft token: padding seven decodes to two rows costs less than a group
+    assert batch.work_at(9, 2, 1) == pytest.approx((GROUP_PAIRS + 8 * 302 * (2 + G)) / 1000)
     paged = StepShape([(300, 1)] * 8, padded=False)
     assert paged.work_at(20, 13, 1) - paged.work == pytest.approx(12 * 302 / 1000)  # only its own queries
     with_prompt = StepShape([(0, 200), (300, 1)], padded=True)
-    assert with_prompt.work == pytest.approx((200 * 200 + 301) / 1000)
-    assert with_prompt.work_at(203, 3, 1) == pytest.approx((200 * 200 + 3 * 303) / 1000)
+    assert with_prompt.work == pytest.approx((2 * GROUP_PAIRS + 200 * (200 + G) + 301 * (1 + G)) / 1000)
+    assert with_prompt.work_at(203, 3, 1) == pytest.approx((2 * GROUP_PAIRS + 200 * (200 + G) + 303 * (3 + G)) / 1000)
+
+
+def test_padded_groups_merge_where_padding_costs_less_than_a_group():
+    from specdec.kernels.layout import padded_groups
+
+    assert padded_groups([(300, 1)] * 7 + [(300, 2)]) == [list(range(8))]
+    assert padded_groups([(300, 1)] * 7 + [(300, 16)]) == [list(range(7)), [7]]
+    assert padded_groups([(300, 1), (0, 512), (300, 1)]) == [[0, 2], [1]]
+    # short contexts make padding cheap: decodes, a chain and a tree in one group
+    assert padded_groups([(20, 1), (20, 3), (20, 9)]) == [[0, 1, 2]]
 
 
 def test_acceptance_stats_follow_the_request_and_lean_on_the_prior():

@@ -27,6 +27,9 @@ CASES = [  # heads, kv_heads, dim, block size, sequences, window, softcap
     (8, 2, 32, 32, [(700, 1, False), (300, 6, True), (5, 2, False)], None, None),
     (4, 1, 32, 32, [(600, 3, True), (40, 1, False)], 100, None),
     (4, 2, 16, 32, [(520, 5, True), (3, 1, False)], None, 30.0),
+    # short contexts: the torch reference pads decodes, a chain and two trees in one group
+    (4, 2, 16, 8, [(30, 1, False), (31, 1, False), (12, 1, False), (29, 2, False), (25, 3, True), (40, 9, True)],
+     None, None),
 ]
 
 
@@ -61,7 +64,7 @@ def naive_attention(query, keys, values, layout, scale):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("case", [1, 2, 3])
+@pytest.mark.parametrize("case", [1, 2, 3, 6, 9])
 def test_batched_reference_attends_each_sequence_over_its_own_keys(case):
     heads, kv_heads, dim, bs, shapes, _, _ = CASES[case]
     gen = torch.Generator().manual_seed(case)

@@ -39,7 +39,7 @@ from collections.abc import Callable, Hashable
 
 import attrs
 
-from ..kernels.layout import width_group
+from ..kernels.layout import padded_group_cost, padded_groups
 
 
 class StepCostModel:
@@ -254,41 +254,41 @@ class AcceptanceStats:
 
 def attention_work(sequences: list[tuple[int, int]], padded: bool) -> float:
     """Attention of a step in thousands of query-key pairs, for ``(cached, new)`` tokens of
-    each sequence: the torch reference pads the sequences of each width group to the
-    widest and longest of the group (``padded``, :attr:`AttentionLayout.padded`); the paged
-    kernel attends each query over its own sequence's keys."""
+    each sequence: the torch reference pads the sequences of each of its groups to the
+    widest and longest of the group and pays for every group it runs (``padded``,
+    :func:`padded_groups`, :func:`padded_group_cost`); the paged kernel attends each query
+    over its own sequence's keys."""
     if not padded:
         return sum(n * (c + n) for c, n in sequences) / 1000
-    groups: dict[int, list[tuple[int, int]]] = {}
-    for c, n in sequences:
-        groups.setdefault(width_group(n), []).append((c, n))
-    return sum(len(g) * max(n for _, n in g) * max(c + n for c, n in g) for g in groups.values()) / 1000
+    return sum(padded_group_cost([sequences[i] for i in g]) for g in padded_groups(sequences)) / 1000
 
 
 class StepShape:
     """A step before drafts (its sequences as ``(cached, new)`` tokens), and the attention
     work it would do with drafts: ``tokens`` in all, ``drafting`` of the one-token
-    sequences given drafts, the widest of them verifying ``widest`` tokens (each draft
-    token is one more query and one more key of its sequence). Padded, the drafting
-    sequences are counted as one group of their own, the others as they were."""
+    sequences given drafts (those with the longest contexts), the widest of them verifying
+    ``widest`` tokens (each draft token is one more query and one more key of its
+    sequence; padded, every drafting sequence is counted that wide)."""
 
     def __init__(self, sequences: list[tuple[int, int]], padded: bool):
         self.padded = padded
         self.tokens = sum(n for _, n in sequences)
         self.work = attention_work(sequences, padded) if sequences else 0.0
-        singles = [c + 1 for c, n in sequences if n == 1]
-        self.wide_work = attention_work([(c, n) for c, n in sequences if n > 1], padded) if padded else 0.0
-        self.num_singles = len(singles)
-        self.single_keys = max(singles, default=0)
-        self.decode_context = sum(singles) / len(singles) if singles else 0.0
+        self.wide = [(c, n) for c, n in sequences if n > 1]
+        self.singles = sorted((c for c, n in sequences if n == 1), reverse=True)
+        self.decode_context = 1 + sum(self.singles) / len(self.singles) if self.singles else 0.0  # keys of a decode
+        self._padded_work: dict[tuple[int, int], float] = {}
 
     def work_at(self, tokens: int, widest: int = 1, drafting: int = 0) -> float:
         if not self.padded:
             return self.work + (tokens - self.tokens) * (self.decode_context + 1) / 1000
         if not drafting:
             return self.work
-        singles = (self.num_singles - drafting) * self.single_keys / 1000
-        return self.wide_work + singles + drafting * widest * (self.single_keys + widest - 1) / 1000
+        key = (widest, drafting)
+        if key not in self._padded_work:  # the planner asks for the same few shapes many times a step
+            singles = [(c, widest if i < drafting else 1) for i, c in enumerate(self.singles)]
+            self._padded_work[key] = attention_work(self.wide + singles, True)
+        return self._padded_work[key]
 
 
 @attrs.define

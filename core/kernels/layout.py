@@ -24,6 +24,42 @@ def width_group(num_new: int) -> int:
     return num_new.bit_length()
 
 
+#: What the torch attention pays per padded group of sequences (a gather of their keys
+#: and values, one product, a scatter: ~14 operations a layer), in query-key pairs of
+#: padded work, and what gathering one key costs in query-key pairs (embedded model,
+#: bfloat16, 2-core CPU: a group ~50-100 us a layer, ``B`` sequences of ``N`` queries over ``W``
+#: keys about ``B * W * (0.085 + 0.021 * N)`` us on top).
+GROUP_PAIRS = 4096
+KEY_GATHER_PAIRS = 4
+
+
+def padded_group_cost(sequences: list[tuple[int, int]]) -> int:
+    """The cost of one padded group of ``(cached, new)`` sequences, in query-key pairs."""
+    rows = max(n for _, n in sequences)
+    keys = max(c + n for c, n in sequences)
+    return GROUP_PAIRS + len(sequences) * keys * (rows + KEY_GATHER_PAIRS)
+
+
+def padded_groups(sequences: list[tuple[int, int]]) -> list[list[int]]:
+    """The torch attention's padded groups of a step's ``(cached, new)`` sequences (their
+    indices): first by :func:`width_group`, then neighbouring groups merged while one
+    group costs less than two (:func:`padded_group_cost`). Eight decodes and one
+    two-token draft share a group (padding seven queries is cheaper than a second group:
+    ~2.5 ms a step of the embedded model), a 16-node tree gets its own."""
+    buckets: dict[int, list[int]] = {}
+    for i, (_, n) in enumerate(sequences):
+        buckets.setdefault(width_group(n), []).append(i)
+    groups = [buckets[k] for k in sorted(buckets)]
+    cost = lambda g: padded_group_cost([sequences[i] for i in g])  # noqa: E731
+    while len(groups) > 1:
+        savings = [cost(a) + cost(b) - cost(a + b) for a, b in zip(groups, groups[1:])]
+        best = max(range(len(savings)), key=savings.__getitem__)
+        if savings[best] <= 0:
+            break
+        groups[best:best + 2] = [groups[best] + groups[best + 1]]
+    return groups
+
+
 def causal_mask(n: int) -> torch.Tensor:
     """``[n, n]`` bool, True on and below the diagonal. Built by comparison: torch 2.13's
     ``tril_`` on a bool tensor runs a parallel section, which waited milliseconds for a
@@ -138,18 +174,15 @@ class AttentionLayout:
     @cached_property
     def padded(self) -> list[dict[str, torch.Tensor]]:
         """The torch reference's view of a batch: sequences grouped by their number of new
-        tokens (1, 2-3, 4-7, ...: :func:`width_group`), each group on padded rows, so that
-        one wide sequence (a draft tree, a prompt chunk) does not pad every row of the
-        batch (attention work: per group, rows * widest * longest). Per group: ``slots [B * K]`` the keys' cache slots,
+        tokens (:func:`padded_groups`), each group on padded rows, so that one wide
+        sequence (a draft tree, a prompt chunk) does not pad every row of the batch
+        (attention work: per group, rows * widest * longest). Per group: ``slots [B * K]`` the keys' cache slots,
         ``mask [B, N, K]`` which keys each query sees, ``queries [B * N]`` the packed token
         of each padded query, ``rows [T_g]`` the padded row of each of the group's tokens
         and ``tokens [T_g]`` their packed index. Padding sees slot 0 only."""
-        groups: dict[int, list[int]] = {}
-        for b, s in enumerate(self.seqs):
-            groups.setdefault(width_group(len(s.positions)), []).append(b)
         first = self.first_tokens
         out = []
-        for _, members in sorted(groups.items()):
+        for members in padded_groups([(s.start, len(s.positions)) for s in self.seqs]):
             seqs = [self.seqs[b] for b in members]
             width = max(s.start + len(s.positions) for s in seqs)
             rows = max(len(s.positions) for s in seqs)
@@ -227,8 +260,8 @@ class AttentionLayout:
         them out. A causal sequence (a prompt chunk, a decode token, a draft chain) is one
         row shared by its queries; each node of a draft tree gets its own row, its
         ancestors compacted behind the context (``trees``; else the trees are left out).
-        Rows are grouped like :attr:`padded` (by
-        their number of queries), padded to the group's most queries and to a multiple of
+        Causal rows are grouped like :attr:`padded` (:func:`padded_groups`), tree nodes in
+        a group of their own, rows padded to the group's most queries and to a multiple of
         :data:`.invariant.KEY_BLOCK` keys. Per group: ``slots [R, W]``,
         ``key_pos [R, W]``, ``queries [R, M]`` (packed token index; padding repeats token
         0), ``query_pos [R, M]``, ``bias [R, M, W]`` (0 where a query sees a key, else
@@ -238,6 +271,9 @@ class AttentionLayout:
             raise ValueError("the batch-invariant attention does not read pending draft masks")
         # a member: (sequence, its key columns in the row, its queries' packed tokens, positions, key counts)
         groups: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        causal = [b for b, is_tree in enumerate(self._is_tree) if not is_tree]
+        group_of = {causal[i]: g for g, members in enumerate(
+            padded_groups([(self.seqs[b].start, len(self.seqs[b].positions)) for b in causal])) for i in members}
         key_pos: list[torch.Tensor] = []
         for b, (s, first) in enumerate(zip(self.seqs, self.first_tokens)):
             n = len(s.positions)
@@ -245,11 +281,11 @@ class AttentionLayout:
             key_pos.append(torch.cat([torch.arange(s.start), positions]))
             tokens = torch.arange(first, first + n)
             if not self._is_tree[b]:
-                groups.setdefault(width_group(n), []).append(
+                groups.setdefault(group_of[b], []).append(
                     (b, torch.arange(s.start + n), tokens, positions, torch.arange(s.start + 1, s.start + n + 1)))
             elif trees:
                 for i, cols in enumerate(self._node_columns(s)):
-                    groups.setdefault(1, []).append((b, cols, tokens[i:i + 1], positions[i:i + 1],
+                    groups.setdefault(-1, []).append((b, cols, tokens[i:i + 1], positions[i:i + 1],
                                                      torch.tensor([len(cols)])))
         tables = pad_sequence([torch.tensor(s.block_table) for s in self.seqs], batch_first=True)
         key_pos_table = pad_sequence(key_pos, batch_first=True)
