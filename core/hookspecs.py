@@ -10,7 +10,7 @@ Two kinds of implementers use them:
 
 The per-step hooks run in the order of the speculative step::
 
-    target_hidden_layers (once) -> prepare_draft_tokens -> build_tree_mask
+    target_hidden_layers, reads_prompt_hidden_states (once) -> prepare_draft_tokens -> build_tree_mask
         -> target forward -> sampler -> on_draft_verified ... -> on_request_finished
 
 Each hook below says when it is called, its arguments and what it returns.
@@ -76,6 +76,30 @@ def target_hidden_layers(target: TargetModel) -> list[int]:
         def target_hidden_layers(self, target):
             n = target.num_layers
             return [1, n // 2 - 1, n - 4]
+    """
+
+
+@hookspec
+def reads_prompt_hidden_states() -> bool:
+    """Whether the hidden states asked for in :func:`target_hidden_layers` are read for
+    every token of a prompt, or only for the newest token of each step.
+
+    Called once, when the engine starts. A prompt prefix found in the prefix cache is not
+    run through the target again, so its tokens have no hidden states: the engine keeps
+    prefix caching only while every implementation of :func:`target_hidden_layers` also
+    implements this hook and returns False (one that does not is taken to read every
+    token). Drafters keeping a KV cache of their own over the prompt (EAGLE, MTP) read
+    them all; Medusa's heads and ReDrafter's RNN read the newest state only
+    (:class:`specdec.last_state.LastStateDrafter` returns False), and the last prompt
+    token is always run.
+
+    :return: True if the states of every prompt token are read.
+
+    Example::
+
+        @hookimpl
+        def reads_prompt_hidden_states(self):
+            return False
     """
 
 

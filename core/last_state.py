@@ -56,6 +56,10 @@ class LastStateDrafter(Drafter):
         return [-1]
 
     @hookimpl
+    def reads_prompt_hidden_states(self):
+        return False  # the newest token's state only: prefix caching stays on
+
+    @hookimpl
     def on_draft_verified(self, results):
         for r in results:
             if r.new_token_ids and -1 in r.hidden_states:

@@ -210,3 +210,30 @@ def test_plugin_registering_the_base_config_class_is_reported(tmp_path):
                                "error": "PluginError: decoding type 'bare': config_class must be an attrs subclass "
                                         "of specdec.config.SpeculativeConfig (the method's own, even with no "
                                         "options)"}]
+
+
+def test_prefix_caching_stays_on_only_for_drafters_that_read_the_newest_hidden_state(tmp_path):
+    """Cached prefix blocks carry no hidden states: a drafter asking for them keeps prefix
+    caching only by declaring that it reads the newest token's states alone."""
+    from specdec import Drafter, hookimpl
+
+    class ReadsEveryToken(Drafter):
+        @hookimpl
+        def target_hidden_layers(self, target):
+            return [-1]
+
+        @hookimpl
+        def prepare_draft_tokens(self, requests, draft_lens):
+            return [None] * len(requests)
+
+    class ReadsTheNewest(ReadsEveryToken):
+        @hookimpl
+        def reads_prompt_hidden_states(self):
+            return False
+
+    model = str(testing.tiny_model_dir(tmp_path))
+    caching = {}
+    for drafter in (ReadsEveryToken, ReadsTheNewest, None):
+        spec = drafter and {"decoding_type": "user", "drafter": drafter}
+        caching[drafter] = LLM(model=model, speculative_config=spec).engine.kv.pool.enable_prefix_caching
+    assert caching == {ReadsEveryToken: False, ReadsTheNewest: True, None: True}

@@ -72,6 +72,15 @@ class _Item:
     is_prefill: bool = False
 
 
+def _reads_prompt_hidden_states(hooks: pluggy.PluginManager) -> bool:
+    """Whether some plugin asking for target hidden states reads them for every prompt
+    token: cached prefix blocks carry no hidden states, so the engine then turns prefix
+    caching off and every prompt token is computed (see the hook's documentation)."""
+    askers = {impl.plugin for impl in hooks.hook.target_hidden_layers.get_hookimpls()}
+    declared = {impl.plugin for impl in hooks.hook.reads_prompt_hidden_states.get_hookimpls()}
+    return not askers <= declared or any(hooks.hook.reads_prompt_hidden_states())
+
+
 class Engine:
     def __init__(self, target: TargetModel, config: EngineConfig, spec: SpeculativeConfig | None = None,
                  hooks: pluggy.PluginManager | None = None, seed: int = 0):
@@ -89,9 +98,7 @@ class Engine:
             wanted = self.hooks.target_hidden_layers(target=target)
             self.hidden_layers = sorted({layer for layers in wanted for layer in layers})
             target.capture_hidden_layers(self.hidden_layers)
-        # Cached prefix blocks carry no hidden states: a drafter that reads the prompt's
-        # hidden states gets every prompt token recomputed instead.
-        reuse = config.enable_prefix_caching and not self.hidden_layers
+        reuse = config.enable_prefix_caching and not (self.hidden_layers and _reads_prompt_hidden_states(hooks))
         cache = PagedKVCache(target.layer_shapes, num_blocks, config.block_size, target.dtype, target.device)
         self.kv = KVCacheManager(cache, num_blocks, config.block_size, reuse)
         self.scheduler = Scheduler(config, self.kv)

@@ -41,3 +41,15 @@ def test_typical_acceptance_is_opt_in_and_labelled_lossy():
     typical = LLM(dtype="float32", speculative_config={"decoding_type": "medusa", "use_typical_acceptance": True})
     out = typical.chat(PROMPTS[:1], params)[0]
     assert exact.metrics.lossless and not out.metrics.lossless
+
+
+def test_heads_draft_from_a_prompt_found_in_the_prefix_cache():
+    """The heads read the newest token's hidden state only, so the engine keeps prefix
+    caching: a repeated prompt is served from the cache, drafted from, and its output
+    equals plain greedy."""
+    llm = LLM(dtype="float32", speculative_config={"decoding_type": "medusa", "adaptive": False})
+    first = llm.chat(PROMPTS[:1], testing.SHIPPED_CHECK_PARAMS)[0]
+    again = llm.chat(PROMPTS[:1], testing.SHIPPED_CHECK_PARAMS)[0]
+    assert first.metrics.num_cached_prompt_tokens == 0 and again.metrics.num_cached_prompt_tokens > 0
+    assert again.token_ids == first.token_ids == testing.embedded_plain_chat()[0].token_ids
+    assert len(again.token_ids) > again.metrics.num_steps  # drafts accepted
