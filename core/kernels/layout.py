@@ -45,7 +45,7 @@ def padded_groups(sequences: list[tuple[int, int]]) -> list[list[int]]:
     indices): first by :func:`width_group`, then neighbouring groups merged while one
     group costs less than two (:func:`padded_group_cost`). Eight decodes and one
     two-token draft share a group (padding seven queries is cheaper than a second group:
-    2-5 ms of a 42-57 ms step of the embedded model at batch 8, bfloat16,
+    1.5-5 ms of a 45-72 ms step of the embedded model at batch 8, bfloat16,
     ``scripts/bench_padded_groups.py``), a 16-node tree gets its own."""
     buckets: dict[int, list[int]] = {}
     for i, (_, n) in enumerate(sequences):
