@@ -60,6 +60,11 @@ _CHECK_ROWS = (2, 3, 4, 5, 7, 8, 11, 16, 17, 33, 64)
 CUDA_CHUNK_ROWS = 64
 
 
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (rows and key widths are padded so)."""
+    return -(-n // multiple) * multiple
+
+
 # -- linear -----------------------------------------------------------------------------
 
 @attrs.frozen
@@ -203,7 +208,7 @@ def _group_plan(group: dict, kv_heads: int, rep: int, tokens: int, sliding_windo
         slots, queries, real = group["slots"], group["queries"], group["rows"]
         rows, width = slots.shape
         m = queries.shape[1]
-        height = -(-rep * m // ROW_MULTIPLE) * ROW_MULTIPLE
+        height = round_up(rep * m, ROW_MULTIPLE)
         per_kv = torch.arange(kv_heads, device=slots.device)
         q_index = torch.zeros(kv_heads, rows, height, dtype=torch.long, device=slots.device)
         q_index[:, :, :rep * m] = (per_kv[:, None, None, None] * rep * tokens
@@ -289,11 +294,12 @@ def _tree_attention(query, key_pool, value_pool, tree: dict, scale: float, slidi
     before, ``c + n`` now. ``[n, heads, value_dim]``."""
     heads, _, dim = query.shape
     kv_heads, dim_v = key_pool.shape[1], value_pool.shape[-1]
-    rep, height = heads // kv_heads, -(-heads // kv_heads // ROW_MULTIPLE) * ROW_MULTIPLE
+    rep = heads // kv_heads
+    height = round_up(rep, ROW_MULTIPLE)
     cols, context = tree["cols"], tree["context"]
     n, width = cols.shape
     num_keys = len(tree["slots"])
-    padded_keys = -(-num_keys // KEY_BLOCK) * KEY_BLOCK
+    padded_keys = round_up(num_keys, KEY_BLOCK)
     # [kv_heads, n * rep, dim], node-major: the query heads of a KV head folded into rows
     q = query.index_select(1, tree["tokens"]).view(kv_heads, rep, n, dim).transpose(1, 2).reshape(kv_heads, -1, dim)
     q = _padded_rows(q.float(), 1)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from .invariant import KEY_BLOCK
+from .invariant import KEY_BLOCK, round_up
 
 def width_group(num_new: int) -> int:
     """The padding group of a sequence with ``num_new`` new tokens in a step: sequences of
@@ -247,7 +247,7 @@ class AttentionLayout:
             if is_tree:
                 c = s.start
                 rows = self._node_columns(s)
-                width = -(-max(len(r) for r in rows) // KEY_BLOCK) * KEY_BLOCK
+                width = round_up(max(len(r) for r in rows), KEY_BLOCK)
                 cols = pad_sequence(rows, batch_first=True, padding_value=c + n)
                 cols = F.pad(cols, (0, width - cols.shape[1]), value=c + n)
                 tree = {"slots": self._key_slots(s, c + n), "key_pos": torch.cat([torch.arange(c), s.positions.cpu()]),
@@ -294,7 +294,7 @@ class AttentionLayout:
         for _, members in sorted(groups.items()):
             seq = torch.tensor([b for b, *_ in members])
             cols = pad_sequence([c for _, c, *_ in members], batch_first=True, padding_value=-1)
-            width = -(-cols.shape[1] // KEY_BLOCK) * KEY_BLOCK
+            width = round_up(cols.shape[1], KEY_BLOCK)
             cols = F.pad(cols, (0, width - cols.shape[1]), value=-1)
             real, cols = cols >= 0, cols.clamp(min=0)
             slots = tables[seq].gather(1, cols // self.block_size) * self.block_size + cols % self.block_size
