@@ -32,15 +32,22 @@ CASES = [  # heads, kv_heads, dim, block size, (committed, new, tree?) per seque
     (4, 2, 16, 4, [(11, 3, False), (60, 7, True)], None, 30.0),
     # trees past a context block of their own: the torch attention shares those blocks across a tree's nodes
     (9, 3, 64, 16, [(150, 8, True), (140, 1, False), (70, 5, True)], None, None),
+    # trees of one batch with 0, 1 and 2 context-only blocks and different node counts
+    (9, 3, 64, 16, [(10, 3, True), (150, 8, True), (200, 1, False), (70, 5, True), (130, 16, True)], None, None),
+    (4, 1, 32, 4, [(140, 6, True), (3, 2, True), (64, 4, True), (30, 2, False)], 40, None),
+    # more than 16 blocks of keys, where the order of the blocks' sums matters
+    (9, 3, 64, 16, [(1100, 4, True), (126, 6, True), (5, 2, False)], None, None),
 ]
+#: cache blocks of a case's pool
+NUM_BLOCKS = 96
 
 
 def case_inputs(case: int, dtype: torch.dtype):
     heads, kv_heads, dim, bs, shapes, window, softcap = CASES[case]
     gen = torch.Generator().manual_seed(case)
-    layout = random_layout(gen, bs, 64, shapes, device=DEVICE)
-    keys = torch.randn(64 * bs, kv_heads, dim, generator=gen).to(DEVICE, dtype)
-    values = torch.randn(64 * bs, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    layout = random_layout(gen, bs, NUM_BLOCKS, shapes, device=DEVICE)
+    keys = torch.randn(NUM_BLOCKS * bs, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    values = torch.randn(NUM_BLOCKS * bs, kv_heads, dim, generator=gen).to(DEVICE, dtype)
     # [tokens, heads, dim] transposed, as the model's attention hands it over (not contiguous)
     query = torch.randn(layout.num_tokens, heads, dim, generator=gen).to(DEVICE, dtype).transpose(0, 1)
     return layout, keys, values, query, dim ** -0.5, window, softcap
@@ -161,9 +168,12 @@ PROMPTS = ["Write a haiku about autumn rain.", "What is 17 times 23? Think step 
 
 @pytest.mark.parametrize("method", [{"decoding_type": "ngram", "max_draft_len": 4, "adaptive": False},
                                     {"decoding_type": "eagle3", "adaptive": False},
-                                    {"decoding_type": "draft_target", "adaptive": False}],
-                         ids=["ngram", "eagle3", "draft_target"])
+                                    {"decoding_type": "draft_target", "adaptive": False},
+                                    {"decoding_type": "medusa", "adaptive": False}],
+                         ids=["ngram", "eagle3", "draft_target", "medusa trees"])
 def test_bfloat16_speculative_greedy_equals_plain_greedy(method):
+    """Four requests at once: chains, and Medusa's trees, whose attention runs for all
+    trees of a step in one batch."""
     plain = LLM(dtype="bfloat16", engine={"batch_invariant": True})
     spec = LLM(dtype="bfloat16", engine={"batch_invariant": True}, speculative_config=method)
     want = answer(plain, PROMPTS)

@@ -25,7 +25,9 @@ batch dimension varies (which no kernel reorders):
   are computed together (:func:`_tree_attention`): their rows share the context, so its
   keys and values are gathered once, not once per node (a step of eight sequences, three
   of them 16-node trees over 230 tokens: 566 ms with a row per node, 193 ms so, 60 ms
-  without the trees; ``scripts/profile_step.py --batch-invariant --curve``). On CUDA a
+  without the trees; ``scripts/profile_step.py --batch-invariant --curve``), and all the
+  step's trees in one batch (eight 4-node trees over 300 tokens: 2.0x the time of eight
+  decodes, 3.2x one tree at a time; the stock numerics 1.6x). On CUDA a
   Triton kernel reads the same key rows instead (``invariant_attention_triton``): one program per query
   and head walks its own row in column order, so no library's choice of kernel enters.
 
@@ -245,7 +247,7 @@ def invariant_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value
     rep = heads // kv_heads
     queries, keys, values = query.reshape(-1, dim), key_pool.view(-1, dim), value_pool.view(-1, dim_v)
     groups, trees = layout.invariant_causal_rows, layout.invariant_trees
-    out = None if len(groups) == 1 and not trees else query.new_empty(tokens, heads, dim_v)
+    out = None if len(groups) == 1 and trees is None else query.new_empty(tokens, heads, dim_v)
     for g in groups:
         rows, width = g["slots"].shape
         q_index, kv_index, bias, o_index, height = _group_plan(g, kv_heads, rep, tokens, sliding_window)
@@ -266,9 +268,9 @@ def invariant_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value
             out = o
         else:
             out.index_copy_(0, g["tokens"], o)
-    for tree in trees:
-        out.index_copy_(0, tree["tokens"], _tree_attention(query, key_pool, value_pool, tree, scale, sliding_window,
-                                                           softcap))
+    if trees is not None:
+        out.index_copy_(0, trees["node_tokens"], _tree_attention(query, key_pool, value_pool, trees, scale,
+                                                                 sliding_window, softcap))
     return out
 
 
@@ -282,53 +284,69 @@ def _padded_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim)
 
 
-def _tree_attention(query, key_pool, value_pool, tree: dict, scale: float, sliding_window: int | None,
+def _contiguous_float(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 and contiguous, in one copy."""
+    return x.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
+
+
+def _tree_attention(query, key_pool, value_pool, trees: dict, scale: float, sliding_window: int | None,
                     softcap: float | None) -> torch.Tensor:
-    """One draft tree's attention, each node getting what its own key row (context, then
-    ancestors) gives it in :func:`invariant_attention_torch`, without gathering the context
-    once per node: the scores of all nodes against the tree's keys in one product (rows a
+    """The attention of the draft trees of :attr:`AttentionLayout.invariant_trees`, each
+    node getting what its own key row (context, then ancestors) gives it in
+    :func:`invariant_attention_torch`, without gathering the context once per node, and
+    all trees in one batch: a tree's nodes score against its keys in one product (rows a
     multiple of :data:`ROW_MULTIPLE`, as the per-row products), each node's row gathered
-    from them; the value blocks that hold context only, shared by every node, in one
-    product, the others per node; the block sums added in the same order. A tree of n
-    nodes over a context of c keys gathered ``n * c`` keys and values in float32 per layer
-    before, ``c + n`` now. ``[n, heads, value_dim]``."""
+    from them; the value blocks that hold context only, shared by a tree's nodes, in one
+    product, the rest per node; each node adds its block results in its row's order. A
+    tree of n nodes over a context of c keys gathers ``c + n`` keys and values a layer,
+    not ``n * c``. ``[nodes, heads, value_dim]`` in the order of ``trees["node_tokens"]``."""
     heads, _, dim = query.shape
     kv_heads, dim_v = key_pool.shape[1], value_pool.shape[-1]
     rep = heads // kv_heads
-    height = round_up(rep, ROW_MULTIPLE)
-    cols, context = tree["cols"], tree["context"]
-    n, width = cols.shape
-    num_keys = len(tree["slots"])
-    padded_keys = round_up(num_keys, KEY_BLOCK)
-    # [kv_heads, n * rep, dim], node-major: the query heads of a KV head folded into rows
-    q = query.index_select(1, tree["tokens"]).view(kv_heads, rep, n, dim).transpose(1, 2).reshape(kv_heads, -1, dim)
-    q = _padded_rows(q.float(), 1)
-    k = F.pad(key_pool.index_select(0, tree["slots"]).float(), (0, 0, 0, 0, 0, padded_keys - num_keys))
-    k = k.permute(1, 2, 0)  # [kv_heads, dim, keys]
+    num_trees, n = trees["tokens"].shape
+    cols, padded_keys, width = trees["cols"], trees["key_slots"].shape[1], trees["cols"].shape[2]
+    shared, own = trees["shared"], trees["own"]
+    batch = kv_heads * num_trees
+
+    def gathered(pool: torch.Tensor, slots: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+        """``pool`` rows at ``slots`` (any shape), KV heads moved by ``order``, float32, contiguous."""
+        rows = pool.index_select(0, slots.flatten()).view(*slots.shape, kv_heads, pool.shape[-1])
+        return _contiguous_float(rows.permute(order))
+
+    # [kv_heads * t, n * rep, dim], node-major: the query heads of a KV head folded into rows
+    q = query.index_select(1, trees["tokens"].flatten()).view(kv_heads, rep, num_trees, n, dim)
+    q = _contiguous_float(q.permute(0, 2, 3, 1, 4)).view(batch, n * rep, dim)
+    k = gathered(key_pool, trees["key_slots"], (2, 0, 3, 1)).view(batch, dim, padded_keys)
     if softcap is None:
-        scores = torch.baddbmm(q.new_zeros(kv_heads, q.shape[1], padded_keys), q, k, alpha=scale)
+        scores = torch.baddbmm(q.new_zeros(batch, n * rep, padded_keys), q, k, alpha=scale)
     else:
         scores = torch.tanh(torch.bmm(q, k) * (scale / softcap)) * softcap
-    # one -inf column for the rows' padding, then every node's row: [kv_heads, n, rep, width]
-    scores = F.pad(scores[:, :n * rep, :num_keys], (0, 1), value=float("-inf")).view(kv_heads, n, rep, -1)
-    rows = scores.gather(3, cols[None, :, None, :].expand(kv_heads, n, rep, width))
+    # a -inf column for the rows' padding, then every node's row: [kv_heads, t, n, rep, W]
+    scores = F.pad(scores, (0, 1), value=float("-inf")).view(kv_heads, num_trees, n, rep, -1)
+    rows = scores.gather(4, cols[None, :, :, None, :].expand(kv_heads, num_trees, n, rep, width))
     if sliding_window is not None:
-        key_pos = F.pad(tree["key_pos"], (0, 1))[cols]
-        hidden = (tree["query_pos"][:, None] - key_pos) >= sliding_window
-        rows = rows.masked_fill(hidden[None, :, None, :], float("-inf"))
-    blocks, shared = width // KEY_BLOCK, context // KEY_BLOCK
-    probs = torch.softmax(rows, dim=-1).view(kv_heads, n, rep, blocks, KEY_BLOCK)
-    v = F.pad(value_pool.index_select(0, tree["slots"]).float(), (0, 0, 0, 0, 0, 1))  # a zero value for padding
-    v = v.transpose(0, 1)  # [kv_heads, keys + 1, value_dim]
-    # context-only blocks: every node's rows against the same values, [kv_heads, blocks, n * rep, value_dim]
-    p_shared = _padded_rows(probs[:, :, :, :shared].permute(0, 3, 1, 2, 4).reshape(kv_heads, shared, n * rep,
-                                                                                    KEY_BLOCK), 2)
-    o_shared = torch.matmul(p_shared, v[:, :shared * KEY_BLOCK].reshape(kv_heads, shared, KEY_BLOCK, dim_v))
-    o_shared = o_shared[:, :, :n * rep].view(kv_heads, shared, n, rep, dim_v).permute(0, 2, 1, 3, 4)
+        hidden = (trees["query_pos"][:, :, None] - trees["key_pos"]) >= sliding_window
+        rows = rows.masked_fill(hidden[None, :, :, None, :], float("-inf"))
+    probs = torch.softmax(rows, dim=-1)
+    if (shared + own) * KEY_BLOCK > width:  # a tree with fewer context-only blocks reads its own ones further on
+        probs = F.pad(probs, (0, (shared + own) * KEY_BLOCK - width))
+    parts = []
+    if shared:  # context-only blocks: a tree's node rows against the same values
+        p_shared = probs[..., :shared * KEY_BLOCK].reshape(kv_heads, num_trees, n * rep, shared, KEY_BLOCK)
+        v_shared = gathered(value_pool, trees["shared_slots"].view(num_trees, shared, KEY_BLOCK), (3, 0, 1, 2, 4))
+        o_shared = torch.matmul(p_shared.transpose(2, 3), v_shared)  # [kv_heads, t, blocks, n * rep, value_dim]
+        parts.append(o_shared.view(kv_heads, num_trees, shared, n, rep, dim_v).transpose(2, 3))
     # the rest per node, on rows padded as the per-row products pad them
-    p_own = _padded_rows(probs[:, :, :, shared:].transpose(2, 3), 3)  # [kv_heads, n, blocks, height, KEY_BLOCK]
-    v_own = v[:, cols[:, shared * KEY_BLOCK:]].view(kv_heads, n, blocks - shared, KEY_BLOCK, dim_v)
-    o_own = torch.matmul(p_own, v_own)
-    o_blocks = torch.cat([_padded_rows(o_shared, 3), o_own], 2).view(kv_heads * n, blocks, height, dim_v)
-    o = o_blocks.sum(dim=1)[:, :rep].view(kv_heads, n, rep, dim_v)
-    return o.permute(1, 0, 2, 3).reshape(n, heads, dim_v).to(query.dtype)
+    p_own = probs.gather(4, trees["own_pos"][None, :, None, None, :].expand(kv_heads, num_trees, n, rep, -1))
+    p_own = _padded_rows(p_own.view(kv_heads, num_trees, n, rep, own, KEY_BLOCK).transpose(3, 4), 4)
+    v_own = gathered(value_pool, trees["own_slots"].view(num_trees, n, own, KEY_BLOCK), (4, 0, 1, 2, 3, 5))
+    parts.append(torch.matmul(p_own, v_own)[:, :, :, :, :rep])  # [kv_heads, t, n, blocks, rep, value_dim]
+    order = trees["block_order"]
+    if order is not None:  # trees with fewer context-only blocks take their own blocks sooner
+        parts.append(parts[0].new_zeros(kv_heads, num_trees, n, 1, rep, dim_v))
+        blocks = torch.cat(parts, 3)
+        blocks = blocks.gather(3, order[None, :, None, :, None, None].expand(kv_heads, num_trees, n, -1, rep, dim_v))
+    else:
+        blocks = torch.cat(parts, 3) if len(parts) > 1 else parts[0]
+    o = blocks.sum(dim=3).permute(1, 2, 0, 3, 4).reshape(num_trees * n, heads, dim_v)
+    return o.index_select(0, trees["nodes"]).to(query.dtype)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from .invariant import KEY_BLOCK, round_up
+from .invariant import KEY_BLOCK, ROW_MULTIPLE, round_up
 
 def width_group(num_new: int) -> int:
     """The padding group of a sequence with ``num_new`` new tokens in a step: sequences of
@@ -233,27 +233,85 @@ class AttentionLayout:
                 for i in range(len(s.positions))]
 
     @cached_property
-    def invariant_trees(self) -> list[dict[str, torch.Tensor]]:
-        """The draft trees of the step as the torch batch-invariant attention reads them:
-        one product over the keys a tree's nodes see (its context and its new tokens) for
-        all its nodes, then each node's key row gathered from the scores (``cols [n, W]``:
-        the row's key columns among ``slots``' ``c + n``, its context first, then its
-        ancestors in order; padding points at column ``c + n``). Per tree: ``slots``,
-        ``key_pos``, ``cols``, ``tokens`` (packed), ``query_pos`` on the device, and
-        ``context`` (``c``, an int)."""
-        out = []
-        for s, is_tree, first in zip(self.seqs, self._is_tree, self.first_tokens):
-            n = len(s.positions)
-            if is_tree:
-                c = s.start
-                rows = self._node_columns(s)
-                width = round_up(max(len(r) for r in rows), KEY_BLOCK)
-                cols = pad_sequence(rows, batch_first=True, padding_value=c + n)
-                cols = F.pad(cols, (0, width - cols.shape[1]), value=c + n)
-                tree = {"slots": self._key_slots(s, c + n), "key_pos": torch.cat([torch.arange(c), s.positions.cpu()]),
-                        "cols": cols, "tokens": torch.arange(first, first + n), "query_pos": s.positions.cpu()}
-                out.append({"context": c, **{k: v.to(self.device) for k, v in tree.items()}})
-        return out
+    def invariant_trees(self) -> dict | None:
+        """The step's draft trees as the torch batch-invariant attention reads them (None:
+        there are none), all ``t`` of them in one batch of ``n``
+        nodes each (the most of a tree, rounded up to a multiple of
+        :data:`.invariant.ROW_MULTIPLE`): every node's scores against its tree's keys
+        (context and new tokens) in one product, then each node's key row gathered from
+        them; the value blocks that hold context only, shared by a tree's nodes, in one
+        product, the rest per node. Indices into the cache are slots; padding points at
+        the tree's first key (a score no row gathers, a value weighed by zero).
+
+        - ``tokens [t, n]`` each node's packed token (padding nodes repeat their tree's
+          first); ``nodes`` / ``node_tokens``: the real nodes' index among the ``t * n``
+          and their packed token;
+        - ``key_slots [t, P]`` each tree's keys, ``P`` a multiple of :data:`.invariant.KEY_BLOCK`;
+        - ``cols [t, n, W]`` each node's key row as columns of ``key_slots``: the context,
+          then its ancestors in order; padding points at column ``P`` (a ``-inf`` score), a
+          padding node sees column 0 only; ``key_pos [t, n, W]`` and ``query_pos [t, n]``
+          positions, for sliding windows;
+        - ``shared`` blocks (``int``): the most context-only blocks of a tree, whose values
+          ``shared_slots [t, shared * KEY_BLOCK]`` sit in a tree's rows at the same columns
+          for every node;
+        - ``own`` blocks (``int``) per node after its tree's context-only ones: their row
+          positions ``own_pos [t, own * KEY_BLOCK]`` and values ``own_slots [t, n, own *
+          KEY_BLOCK]``;
+        - ``block_order [t, shared + own]`` (None when every tree has the same number of
+          context-only blocks): which of the ``shared``, then ``own`` block results, then a
+          zero block (index ``shared + own``) is a node's ``b``-th, so that each node adds
+          its blocks in its row's order (the order of a sum of more than 16 blocks matters)."""
+        trees = [(s, first) for s, is_tree, first in zip(self.seqs, self._is_tree, self.first_tokens) if is_tree]
+        if not trees:
+            return None
+        rows = [self._node_columns(s) for s, _ in trees]
+        num_trees, n = len(trees), round_up(max(len(s.positions) for s, _ in trees), ROW_MULTIPLE)
+        tree_slots = [self._key_slots(s, s.start + len(s.positions)) for s, _ in trees]
+        padded_keys = round_up(max(len(slots) for slots in tree_slots), KEY_BLOCK)
+        width = round_up(max(len(r) for tree_rows in rows for r in tree_rows), KEY_BLOCK)
+        shared = [s.start // KEY_BLOCK for s, _ in trees]
+        own = max(round_up(max(len(r) for r in tree_rows), KEY_BLOCK) // KEY_BLOCK - c
+                  for tree_rows, c in zip(rows, shared))
+        most_shared = max(shared)
+        tokens = torch.zeros(num_trees, n, dtype=torch.long)
+        key_slots = torch.zeros(num_trees, padded_keys, dtype=torch.long)
+        cols = torch.full((num_trees, n, width), padded_keys, dtype=torch.long)
+        cols[:, :, 0] = 0
+        key_pos = torch.zeros(num_trees, n, width, dtype=torch.long)
+        query_pos = torch.zeros(num_trees, n, dtype=torch.long)
+        shared_slots = torch.zeros(num_trees, most_shared * KEY_BLOCK, dtype=torch.long)
+        own_pos = torch.zeros(num_trees, own * KEY_BLOCK, dtype=torch.long)
+        own_slots = torch.zeros(num_trees, n, own * KEY_BLOCK, dtype=torch.long)
+        block_order = torch.full((num_trees, most_shared + own), most_shared + own, dtype=torch.long)
+        nodes: list[int] = []
+        node_tokens: list[int] = []
+        for t, ((s, first), tree_rows, slots, c) in enumerate(zip(trees, rows, tree_slots, shared)):
+            tree_key_pos = torch.cat([torch.arange(s.start), s.positions.cpu()])
+            key_slots[t] = slots[0]
+            key_slots[t, :len(slots)] = slots
+            tokens[t] = first
+            shared_slots[t] = slots[0]
+            shared_slots[t, :c * KEY_BLOCK] = slots[:c * KEY_BLOCK]
+            own_pos[t] = torch.arange(c * KEY_BLOCK, (c + own) * KEY_BLOCK)
+            own_slots[t] = slots[0]
+            block_order[t, :c] = torch.arange(c)
+            block_order[t, c:c + own] = torch.arange(most_shared, most_shared + own)
+            for i, row in enumerate(tree_rows):
+                tokens[t, i] = first + i
+                cols[t, i, :len(row)] = row
+                key_pos[t, i, :len(row)] = tree_key_pos[row]
+                tail = row[c * KEY_BLOCK:(c + own) * KEY_BLOCK]
+                own_slots[t, i, :len(tail)] = slots[tail]
+                nodes.append(t * n + i)
+                node_tokens.append(first + i)
+            query_pos[t, :len(tree_rows)] = s.positions.cpu()
+        views = {"tokens": tokens, "nodes": torch.tensor(nodes), "node_tokens": torch.tensor(node_tokens),
+                 "key_slots": key_slots, "cols": cols, "key_pos": key_pos, "query_pos": query_pos,
+                 "shared_slots": shared_slots, "own_pos": own_pos, "own_slots": own_slots}
+        views = {k: v.to(self.device) for k, v in views.items()}
+        uniform = len(set(shared)) == 1
+        return {**views, "shared": most_shared, "own": own,
+                "block_order": None if uniform else block_order.to(self.device)}
 
     def invariant_row_groups(self, trees: bool) -> list[dict[str, torch.Tensor]]:
         """The batch-invariant attention's view (:mod:`.invariant`): key rows in which a
