@@ -189,6 +189,31 @@ def test_attention_work_counts_the_padded_groups_the_torch_attention_runs():
     assert with_prompt.work_at(203, 3, 1) == pytest.approx((2 * GROUP_PAIRS + 200 * (200 + G) + 303 * (3 + G)) / 1000)
 
 
+def test_draft_trees_cost_a_batch_of_their_own_in_the_batch_invariant_torch_attention():
+    """The invariant torch attention runs a step's trees apart from its rows (a tree of
+    four beside seven decodes measured 7-12 ms more than a chain of four): the planner
+    prices that where the engine runs it, and only for trees."""
+    from specdec.executor.draft_planner import DraftPlanner, StepShape, attention_work
+    from specdec.kernels.layout import TREE_BATCH_PAIRS
+
+    sequences = [(300, 1)] * 8
+    invariant, stock = StepShape(sequences, padded=True, tree_batch=True), StepShape(sequences, padded=True)
+    chain = invariant.work_at(11, 4, 1)
+    assert chain == stock.work_at(11, 4, 1) == stock.work_at(11, 4, 1, trees=True)
+    assert invariant.work_at(11, 4, 1, trees=True) == pytest.approx(chain + TREE_BATCH_PAIRS / 1000)
+    assert invariant.work_at(8, 1, 0, trees=True) == invariant.work  # nothing drafted, no trees run
+    assert attention_work(sequences, True, trees=True) == pytest.approx(invariant.work + TREE_BATCH_PAIRS / 1000)
+
+    planner = DraftPlanner(lambda depth: 3 * depth, probe_interval=16)  # three nodes a level: a tree
+    for _ in range(40):  # a machine where attention work is what a step costs
+        for tokens, work in ((8, invariant.work), (11, chain), (11, chain + TREE_BATCH_PAIRS / 1000)):
+            planner.costs.observe_step(tokens, work, 0.03 + work / 1000, 1 if tokens == 8 else 4)
+    for tree_batch, expected in ((False, 0.0), (True, TREE_BATCH_PAIRS / 1e6)):
+        shape = StepShape(sequences, padded=True, tree_batch=tree_batch)
+        chain_step, tree_step = planner.step_seconds(shape)(11, 4, 1), planner.step_seconds(shape, trees=True)(11, 4, 1)
+        assert tree_step - chain_step == pytest.approx(expected, rel=0.05, abs=1e-6)
+
+
 def test_padded_groups_merge_where_padding_costs_less_than_a_group():
     from specdec.kernels.layout import padded_groups
 

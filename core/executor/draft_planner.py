@@ -39,7 +39,7 @@ from collections.abc import Callable, Hashable
 
 import attrs
 
-from ..kernels.layout import padded_group_cost, padded_groups
+from ..kernels.layout import TREE_BATCH_PAIRS, padded_group_cost, padded_groups
 
 
 class StepCostModel:
@@ -252,15 +252,17 @@ class AcceptanceStats:
         return mine | self.prior.kinds() if self.prior is not None else mine
 
 
-def attention_work(sequences: list[tuple[int, int]], padded: bool) -> float:
+def attention_work(sequences: list[tuple[int, int]], padded: bool, trees: bool = False) -> float:
     """Attention of a step in thousands of query-key pairs, for ``(cached, new)`` tokens of
     each sequence: the torch reference pads the sequences of each of its groups to the
     widest and longest of the group and pays for every group it runs (``padded``,
     :func:`padded_groups`, :func:`padded_group_cost`); the paged kernel attends each query
-    over its own sequence's keys."""
+    over its own sequence's keys. ``trees``: the step's draft trees run as a batch of
+    their own (the batch-invariant torch attention, :data:`TREE_BATCH_PAIRS`)."""
+    extra = TREE_BATCH_PAIRS / 1000 if trees else 0.0
     if not padded:
-        return sum(n * (c + n) for c, n in sequences) / 1000
-    return sum(padded_group_cost([sequences[i] for i in g]) for g in padded_groups(sequences)) / 1000
+        return extra + sum(n * (c + n) for c, n in sequences) / 1000
+    return extra + sum(padded_group_cost([sequences[i] for i in g]) for g in padded_groups(sequences)) / 1000
 
 
 class StepShape:
@@ -268,10 +270,13 @@ class StepShape:
     work it would do with drafts: ``tokens`` in all, ``drafting`` of the one-token
     sequences given drafts (those with the longest contexts), the widest of them verifying
     ``widest`` tokens (each draft token is one more query and one more key of its
-    sequence; padded, every drafting sequence is counted that wide)."""
+    sequence; padded, every drafting sequence is counted that wide), ``trees`` whether
+    some of the drafts are trees, which cost a batch of their own where ``tree_batch``
+    (the batch-invariant torch attention)."""
 
-    def __init__(self, sequences: list[tuple[int, int]], padded: bool):
+    def __init__(self, sequences: list[tuple[int, int]], padded: bool, tree_batch: bool = False):
         self.padded = padded
+        self.tree_batch = tree_batch
         self.tokens = sum(n for _, n in sequences)
         self.work = attention_work(sequences, padded) if sequences else 0.0
         self.wide = [(c, n) for c, n in sequences if n > 1]
@@ -279,16 +284,17 @@ class StepShape:
         self.decode_context = 1 + sum(self.singles) / len(self.singles) if self.singles else 0.0  # keys of a decode
         self._padded_work: dict[tuple[int, int], float] = {}
 
-    def work_at(self, tokens: int, widest: int = 1, drafting: int = 0) -> float:
+    def work_at(self, tokens: int, widest: int = 1, drafting: int = 0, trees: bool = False) -> float:
+        extra = TREE_BATCH_PAIRS / 1000 if trees and drafting and self.tree_batch else 0.0
         if not self.padded:
-            return self.work + (tokens - self.tokens) * (self.decode_context + 1) / 1000
+            return extra + self.work + (tokens - self.tokens) * (self.decode_context + 1) / 1000
         if not drafting:
             return self.work
         key = (widest, drafting)
         if key not in self._padded_work:  # the planner asks for the same few shapes many times a step
             singles = [(c, widest if i < drafting else 1) for i, c in enumerate(self.singles)]
             self._padded_work[key] = attention_work(self.wide + singles, True)
-        return self._padded_work[key]
+        return extra + self._padded_work[key]
 
 
 @attrs.define
@@ -427,11 +433,11 @@ class DraftPlanner:
         req.probe_after = min(2 * (req.probe_after or self.probe_interval), 8 * self.probe_interval)
         req.steps_without_drafts = 0
 
-    def step_seconds(self, shape: StepShape) -> Callable[[int, int, int], float]:
+    def step_seconds(self, shape: StepShape, trees: bool = False) -> Callable[[int, int, int], float]:
         """The step's estimated seconds by its target tokens, widest sequence and number of
-        requests verifying drafts."""
+        requests verifying drafts (``trees``: the drafts are trees)."""
         return lambda tokens, widest, drafting: self.costs.step_seconds(
-            tokens, shape.work_at(tokens, widest, drafting), widest)
+            tokens, shape.work_at(tokens, widest, drafting, trees), widest)
 
     def plan(self, reqs: list, caps: list[tuple[int, int]], shape: StepShape) -> list[int]:
         """The depth to ask each request's drafter for, within ``caps`` (depth, nodes): the
@@ -449,7 +455,7 @@ class DraftPlanner:
             options.append(DraftOption(gains, [0] + [min(self.nodes_for_depth(j), nodes) + aux
                                                      for j in range(1, depth + 1)]))
         mean_hit = sum(hits) / len(hits) if hits else 1.0
-        step = self.step_seconds(shape)
+        step = self.step_seconds(shape, trees=any(opt.nodes[j] > j for opt in options for j in range(len(opt.nodes))))
         depths = best_depths(options, shape.tokens, step, lambda depth: self.costs.draft_seconds(depth) / mean_hit)
         load = _StepLoad(shape.tokens, options, depths)
         off = [i for i in range(len(reqs)) if depths[i] == 0 and caps[i][0] > 0]
@@ -484,7 +490,8 @@ class DraftPlanner:
             nodes = [0] + [sum(d <= j for d in node_depths) + len(prop.aux_token_ids)
                            for j in range(1, prop.depth + 1)]
             options.append(DraftOption(self.request_stats(req).curve(prop.kind, prop.depth), nodes))
-        step = self.step_seconds(shape)
+        step = self.step_seconds(shape, trees=any(not prop.is_chain or prop.aux_token_ids
+                                                 for prop in proposals if prop is not None))
         depths = best_depths(options, shape.tokens, step)
         load = _StepLoad(shape.tokens, options, depths)
         probing, self._probing = self._probing, set()

@@ -111,6 +111,8 @@ class Engine:
             self._warm_up_compiled()
         # the torch reference pads a batch's sequences to the widest; the paged kernel does not
         self._padded_attention = not use_triton(torch.empty(0, device=target.device), "paged_attention_triton")
+        # the batch-invariant torch attention runs a step's draft trees as a batch of their own
+        self._tree_batch = self._padded_attention and config.batch_invariant
         self._warned: set[str] = set()
         #: drafter faults by kind (the requests' ``num_drafter_faults`` summed).
         self.drafter_faults: dict[str, int] = {}
@@ -208,7 +210,7 @@ class Engine:
         items = [self._prefill_item(req, n) for req, n in plan.prefills]
         before_drafts = None if self.planner is None else StepShape(
             [(it.start, len(it.tokens)) for it in items] + [(r.num_computed, 1) for r in plan.decodes],
-            padded=self._padded_attention)
+            padded=self._padded_attention, tree_batch=self._tree_batch)
         decodes, draft_seconds = self._decode_items(plan.decodes, plan.draft_allowance,
                                                     len(self.scheduler.running), before_drafts)
         items += decodes
@@ -217,7 +219,10 @@ class Engine:
         if self.planner is not None:
             sequences = [(it.start, len(it.tokens)) for it in items]
             widest = max((len(it.tokens) for it in items if not it.is_prefill), default=1)
-            self.planner.observe_step(sum(n for _, n in sequences), attention_work(sequences, self._padded_attention),
+            trees = self._tree_batch and any(it.proposal is not None and (not it.proposal.is_chain
+                                                                          or it.proposal.aux_token_ids) for it in items)
+            self.planner.observe_step(sum(n for _, n in sequences),
+                                      attention_work(sequences, self._padded_attention, trees),
                                       time.perf_counter() - started - draft_seconds, widest)
         return outputs
 

@@ -31,6 +31,11 @@ def width_group(num_new: int) -> int:
 #: keys about ``B * W * (0.085 + 0.021 * N)`` us on top).
 GROUP_PAIRS = 4096
 KEY_GATHER_PAIRS = 4
+#: What the batch-invariant torch attention pays, on top, for a step's draft trees: it runs
+#: them as one batch of two dozen operations a layer of their own (a tree of four nodes
+#: beside seven decodes cost 7-12 ms more than a chain of four at contexts 100-500, four
+#: such trees 10-14 ms more; ``scripts/profile_step.py --batch-invariant --curve``).
+TREE_BATCH_PAIRS = 4 * GROUP_PAIRS
 
 
 def padded_group_cost(sequences: list[tuple[int, int]]) -> int:
