@@ -86,6 +86,11 @@ class DraftProposal:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     @property
+    def verified_as_tree(self) -> bool:
+        """Whether the target verifies it as a tree, not a chain: siblings, or aux tokens beside it."""
+        return not self.is_chain or bool(self.aux_token_ids)
+
+    @property
     def depth(self) -> int:
         """Depth of the deepest node (0 for a proposal with aux tokens only)."""
         return max(self.depths(), default=0)

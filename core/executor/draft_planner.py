@@ -490,8 +490,7 @@ class DraftPlanner:
             nodes = [0] + [sum(d <= j for d in node_depths) + len(prop.aux_token_ids)
                            for j in range(1, prop.depth + 1)]
             options.append(DraftOption(self.request_stats(req).curve(prop.kind, prop.depth), nodes))
-        step = self.step_seconds(shape, trees=any(not prop.is_chain or prop.aux_token_ids
-                                                 for prop in proposals if prop is not None))
+        step = self.step_seconds(shape, trees=any(prop is not None and prop.verified_as_tree for prop in proposals))
         depths = best_depths(options, shape.tokens, step)
         load = _StepLoad(shape.tokens, options, depths)
         probing, self._probing = self._probing, set()

@@ -219,8 +219,7 @@ class Engine:
         if self.planner is not None:
             sequences = [(it.start, len(it.tokens)) for it in items]
             widest = max((len(it.tokens) for it in items if not it.is_prefill), default=1)
-            trees = self._tree_batch and any(it.proposal is not None and (not it.proposal.is_chain
-                                                                          or it.proposal.aux_token_ids) for it in items)
+            trees = self._tree_batch and any(it.proposal is not None and it.proposal.verified_as_tree for it in items)
             self.planner.observe_step(sum(n for _, n in sequences),
                                       attention_work(sequences, self._padded_attention, trees),
                                       time.perf_counter() - started - draft_seconds, widest)
