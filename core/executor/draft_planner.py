@@ -41,6 +41,9 @@ import attrs
 
 from ..kernels.layout import TREE_BATCH_PAIRS, padded_group_cost, padded_groups
 
+#: the attention work of a step's draft trees run as a batch of their own, in thousands of pairs
+TREE_BATCH_WORK = TREE_BATCH_PAIRS / 1000
+
 
 class StepCostModel:
     """Seconds of a step, ``a + d * [widest > 1] + b * tokens + c * work``, and of drafting per level.
@@ -258,8 +261,8 @@ def attention_work(sequences: list[tuple[int, int]], padded: bool, trees: bool =
     widest and longest of the group and pays for every group it runs (``padded``,
     :func:`padded_groups`, :func:`padded_group_cost`); the paged kernel attends each query
     over its own sequence's keys. ``trees``: the step's draft trees run as a batch of
-    their own (the batch-invariant torch attention, :data:`TREE_BATCH_PAIRS`)."""
-    extra = TREE_BATCH_PAIRS / 1000 if trees else 0.0
+    their own (the batch-invariant torch attention, :data:`TREE_BATCH_WORK`)."""
+    extra = TREE_BATCH_WORK if trees else 0.0
     if not padded:
         return extra + sum(n * (c + n) for c, n in sequences) / 1000
     return extra + sum(padded_group_cost([sequences[i] for i in g]) for g in padded_groups(sequences)) / 1000
@@ -285,7 +288,7 @@ class StepShape:
         self._padded_work: dict[tuple[int, int], float] = {}
 
     def work_at(self, tokens: int, widest: int = 1, drafting: int = 0, trees: bool = False) -> float:
-        extra = TREE_BATCH_PAIRS / 1000 if trees and drafting and self.tree_batch else 0.0
+        extra = TREE_BATCH_WORK if trees and drafting and self.tree_batch else 0.0
         if not self.padded:
             return extra + self.work + (tokens - self.tokens) * (self.decode_context + 1) / 1000
         if not drafting:
