@@ -209,7 +209,9 @@ def cmd_train(args) -> int:
                         seed=args.seed, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
                         max_seq_len=args.max_seq_len, lr=args.lr, save_every=args.save_every,
                         max_new_tokens=args.max_new_tokens, gen_dtype=args.gen_dtype,
+                        gen_batch_size=args.gen_batch_size,
                         eval_prompts=args.eval_prompts, max_samples=args.max_samples, resume=args.resume,
+                        init=args.init,
                         trainer_options=options)
     try:
         report = train(opts)
@@ -299,10 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=160, help="length of the target's answers")
     p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="bfloat16",
                    help="dtype the target answers in (the dtype you will serve in)")
+    p.add_argument("--gen-batch-size", type=int, default=24, help="requests the target answers at once")
     p.add_argument("--eval-prompts", type=int, default=16,
                    help="prompts held out for the final evaluation (the file's last ones)")
     p.add_argument("--max-samples", type=int, help="train on the first N items only")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--init", metavar="DIR|default",
+                   help="start from a drafter this method saved (fine-tuning); 'default': the one it loads when "
+                        "no speculative_model is given (the shipped drafter on the embedded model)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a trainer option, e.g. --set draft_layers=2")
     p.set_defaults(func=cmd_train)

@@ -115,11 +115,12 @@ def prompt_file(directory: str | Path, prompts: list[str] | None = None) -> Path
     return path
 
 
-def train_briefly(method: str, directory: str | Path, data: str | Path | None = None,
+def train_briefly(method: str, directory: str | Path, data: str | Path | None = None, init: str | None = None,
                   **trainer_options) -> tuple[Path, dict, list[dict]]:
     """``specdec train METHOD`` for 10 CPU steps on the embedded model (the target's float32
-    answers of 16 tokens to :data:`TRAIN_PROMPTS`, or to ``data``); returns the output
-    directory, the run's report and its per-step history (loss and the method's metrics)."""
+    answers of 16 tokens to :data:`TRAIN_PROMPTS`, or to ``data``; ``init`` as ``--init``);
+    returns the output directory, the run's report and its per-step history (loss and the
+    method's metrics)."""
     from .training import TrainOptions, train
 
     directory = Path(directory)
@@ -127,7 +128,7 @@ def train_briefly(method: str, directory: str | Path, data: str | Path | None = 
     out = directory / method
     report = train(TrainOptions(method=method, data=str(data), out=str(out), max_new_tokens=16, batch_size=8,
                                 eval_prompts=1, gen_dtype="float32", device="cpu", max_steps=10, lr=1e-3,
-                                warmup_steps=2, trainer_options=trainer_options), progress=False)
+                                warmup_steps=2, init=init, trainer_options=trainer_options), progress=False)
     history = torch.load(out / "checkpoint.pt", weights_only=False)["state"]["history"]
     return out, report, history
 

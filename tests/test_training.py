@@ -1,10 +1,14 @@
 """Core pieces of `specdec train` that need no training run: data items, splits, batches,
-the learning-rate schedule, prompts of models with and without a chat template."""
+the learning-rate schedule, prompts of models with and without a chat template, starting
+every installed method's trainer from its shipped drafter (``--init``)."""
+
+import importlib
 
 import pytest
+import torch
 
 from specdec import LLM, testing
-from specdec.training.data import TrainingDataError, encode_prompt, read_items, split_eval
+from specdec.training.data import Sample, TrainingDataError, encode_prompt, read_items, split_eval
 from specdec.training.loop import lr_factor, make_batches
 
 
@@ -88,3 +92,62 @@ def test_feature_store_matches_the_target_resumes_and_serves_fewer_layers(tiny_m
     fewer = FeatureStore.build(part, target, samples, [-1], max_len=20, dtype="float32",
                                progress=lambda done, total: calls.append(done))
     assert calls == [] and list(fewer.batch([0], 5, torch.device("cpu"))) == [-1]
+
+
+@pytest.fixture(scope="module")
+def train_target():
+    from specdec.training.loop import TrainOptions, load_target
+
+    return load_target(TrainOptions(method="mtp", data="", out=""), torch.device("cpu"))
+
+
+SHIPPED = {"draft_target": ("specdec_draft_target.checkpoint", "SHIPPED_DRAFT"),
+           "eagle": ("specdec_eagle.checkpoint", "SHIPPED_HEADS", 1),
+           "eagle3": ("specdec_eagle.checkpoint", "SHIPPED_HEADS", 3),
+           "medusa": ("specdec_medusa.checkpoint", "SHIPPED_HEADS"),
+           "mtp": ("specdec_mtp.checkpoint", "SHIPPED_MODULE"),
+           "redrafter": ("specdec_redrafter.checkpoint", "SHIPPED_DRAFTER")}
+
+
+@pytest.mark.parametrize("method", sorted(SHIPPED))
+def test_init_starts_from_the_shipped_drafter_and_saves_it_back(train_target, method, tmp_path):
+    """``specdec train --init default`` on the embedded model: the trainer's module holds the
+    shipped drafter, so saving before any step writes the shipped tensors back (within
+    the shipped files' int8/bfloat16 storage)."""
+    from specdec.draft_checkpoint import DRAFT_VOCAB_FILE, load_tensors
+    from specdec.plugins import get_registry
+
+    trainer_class = get_registry().resolve(method).trainer_class
+    samples = [Sample(list(range(40, 140)), 10)]
+    fresh = trainer_class(train_target, samples, {})
+    trainer = trainer_class(train_target, samples, {})
+    trainer.start_from(None)
+    module, name, *key = SHIPPED[method]
+    shipped_dir = getattr(importlib.import_module(module), name)
+    shipped_dir = shipped_dir[key[0]] if key else shipped_dir
+    trainer.save(tmp_path)
+    files = [f for f in shipped_dir.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE]
+    assert files
+    for shipped_file in files:
+        shipped, saved = load_tensors(shipped_file), load_tensors(tmp_path / shipped_file.name)
+        assert set(shipped) <= set(saved), shipped_file
+        for key, value in shipped.items():
+            torch.testing.assert_close(saved[key].float(), value.float(), rtol=1e-2, atol=1e-3, msg=key)
+    fresh_state, state = fresh.module().state_dict(), trainer.module().state_dict()
+    assert any(not torch.equal(fresh_state[k], state[k]) for k in state if k in fresh_state)
+
+
+def test_init_is_refused_before_any_work_by_a_trainer_that_cannot_start_from_a_drafter(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from specdec.training import MethodTrainer, TrainError, TrainOptions, train
+    from specdec.training import loop
+
+    class ScratchOnly(MethodTrainer):
+        pass
+
+    monkeypatch.setattr(loop, "trainer_class_for", lambda name: SimpleNamespace(name=name, trainer_class=ScratchOnly))
+    with pytest.raises(TrainError, match="specdec train scratchy cannot start from a saved drafter"):
+        train(TrainOptions(method="scratchy", data=str(tmp_path / "never-read.jsonl"), out=str(tmp_path / "o"),
+                           init="default"), progress=False)
+    assert not (tmp_path / "o").exists()

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.pt"
 SAMPLES = "samples.jsonl"
 REPORT = "train_report.json"
+#: ``--init default``: start from the drafter the method loads when none is named (the shipped one).
+INIT_DEFAULT = "default"
 
 
 @attrs.frozen(kw_only=True)
@@ -59,6 +61,7 @@ class TrainOptions:
     eval_prompts: int = 16
     max_samples: int | None = None
     resume: bool = False
+    init: str | None = None
     trainer_options: dict = attrs.Factory(dict)
 
 
@@ -164,6 +167,12 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
     if ckpt_path.exists() and not opts.resume:
         raise TrainError(f"{out} holds a run already ({CHECKPOINT}); add --resume to continue it, or choose "
                          "another --out")
+    if opts.init is not None and dtype.trainer_class.start_from is MethodTrainer.start_from:
+        raise TrainError(f"specdec train {dtype.name} cannot start from a saved drafter (--init); train it from "
+                         "scratch")
+    if opts.init not in (None, INIT_DEFAULT) and not Path(opts.init).is_dir():
+        raise TrainError(f"--init {opts.init}: no such directory; give a drafter {dtype.name} saved (the --out of "
+                         f"an earlier run) or '{INIT_DEFAULT}'")
     items = read_items(opts.data)
     train_items, held_out = split_eval(items, opts.eval_prompts)
     train_items = train_items[:opts.max_samples]
@@ -182,7 +191,8 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
                   engine={"max_batch_size": opts.gen_batch_size, "max_num_tokens": 2048})
     bar = tqdm(total=len(train_items), initial=min(cached, len(train_items)), desc="target answers",
                unit="prompt", disable=not progress or gen is None)
-    samples = distill(gen, train_items, cache, opts.max_new_tokens,
+    # chunks of several engine batches, so that few of the engine's rows idle at a chunk's end
+    samples = distill(gen, train_items, cache, opts.max_new_tokens, chunk=4 * opts.gen_batch_size,
                       progress=lambda done, total: bar.update(done - bar.n))[:len(train_items)]
     bar.close()
     samples_time = time.perf_counter() - started
@@ -195,6 +205,8 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
         store = FeatureStore.build(out / "features", target, samples, trainer.feature_layers(), opts.max_seq_len,
                                    opts.gen_dtype, progress=lambda done, total: bar.update(done - bar.n))
         bar.close()
+    if opts.init is not None and not (opts.resume and ckpt_path.exists()):
+        trainer.start_from(None if opts.init == INIT_DEFAULT else opts.init)
     module = trainer.module()
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
@@ -259,6 +271,7 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
     trainer.save(out)
     train_seconds = time.perf_counter() - train_started
     report = {"method": dtype.name, "target": target.name, "data": str(opts.data), "samples": len(samples),
+              "init": opts.init,
               "answer_tokens": sum(len(s.token_ids) - 1 - s.loss_start for s in samples),
               "steps": state["step"], "epochs_done": state["epoch"], "batch_size": opts.batch_size, "lr": opts.lr,
               "device": str(device), "threads": torch.get_num_threads(),

@@ -114,6 +114,14 @@ class MethodTrainer:
         """The module whose trainable parameters the optimizer updates and checkpoints save."""
         raise NotImplementedError
 
+    def start_from(self, source: str | None) -> None:
+        """Load a drafter this method saved into :meth:`module` before training
+        (``specdec train --init``): fine-tuning, for example the drafter shipped for the
+        embedded model on a user's own prompts. ``source``: its directory, or None for the
+        drafter the method loads by default on this target. Checked against the target as
+        at inference. A trainer that does not implement it refuses ``--init``."""
+        raise NotImplementedError
+
     def loss(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one batch, and metrics to show (``{"acc": ...}``)."""
         raise NotImplementedError

@@ -14,10 +14,11 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from specdec.draft_checkpoint import target_signature
+from specdec.draft_checkpoint import (SECTION, check_target, drafter_directory, load_state_checked, load_tensors,
+                                      read_config, target_signature)
 from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary
 
-from .checkpoint import build_draft_model, save_trained_draft
+from .checkpoint import SHIPPED_DRAFT, WEIGHTS, build_draft_model, save_trained_draft, shared_prefixes
 
 class DraftTargetTrainer(MethodTrainer):
     options = {"draft_layers": 2, "draft_vocab_size": 8192}
@@ -51,6 +52,12 @@ class DraftTargetTrainer(MethodTrainer):
 
     def module(self):
         return self.trainable
+
+    def start_from(self, source):
+        directory = drafter_directory(source, self.target, SHIPPED_DRAFT, "draft_target", "a draft")
+        check_target(directory, read_config(directory).get(SECTION, {}), self.target)
+        path = directory / WEIGHTS
+        load_state_checked(self.model, load_tensors(path), path, shared=shared_prefixes(self.model))
 
     def loss(self, batch: TrainBatch):
         hidden = self.base(input_ids=batch.input_ids, attention_mask=batch.attention_mask,

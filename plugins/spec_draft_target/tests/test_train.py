@@ -112,6 +112,7 @@ def test_a_corrupt_checkpoint_names_the_file(run, tmp_path):
     (["draft_target", "--data", "{missing}"], "no such file"),
     (["draft_target", "--data", "{empty}"], "has no training items"),
     (["draft_target", "--data", "{data}", "--set", "draft_layerz=2"], "unknown trainer option"),
+    (["draft_target", "--data", "{data}", "--init", "{missing}"], "--init"),
 ])
 def test_bad_input_exits_nonzero_with_one_line(args, message, data, tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"

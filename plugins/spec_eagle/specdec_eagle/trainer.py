@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft_checkpoint import target_signature
+from specdec.draft_checkpoint import drafter_directory, target_signature
 from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary, training_time_test
 
-from .checkpoint import default_capture_layers, head_config, save_head
+from .checkpoint import SHIPPED_HEADS, default_capture_layers, head_config, load_head, save_head
 from .modules import Eagle1Head, Eagle3Head
 
 
@@ -43,6 +43,21 @@ class EagleTrainer(MethodTrainer):
 
     def feature_layers(self):
         return sorted(set(self.layers) | {-1})
+
+    def start_from(self, source):
+        """The saved head replaces the new one, with its layers and (EAGLE-3) its draft
+        vocabulary; EAGLE-1 keeps the loss vocabulary of these samples."""
+        directory = drafter_directory(source, self.target, SHIPPED_HEADS[self.generation], self.name, "an EAGLE head")
+        head, self.layers = load_head(directory, self.generation, self.target, self.opts.get("layers"))
+        head = head.to(device=self.target.device, dtype=torch.float32)
+        if self.generation == 1:
+            head.lm_head = self.parts.lm_head
+        else:
+            mapped = head.draft_to_target
+            everything = torch.arange(self.parts.vocab_size, device=self.target.device)
+            self.vocab = mapped if mapped is not None else everything
+        head.embed_tokens = self.parts.embed_tokens
+        self.head = head
 
     def module(self):
         shared = {"embed_tokens", "rotary_emb"} | ({"lm_head"} if self.generation == 1 else set())

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft_checkpoint import save_draft_vocab, target_signature
+from specdec.draft_checkpoint import drafter_directory, load_state_checked, save_draft_vocab, target_signature
 from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary
 
-from .checkpoint import save_heads
+from .checkpoint import SHIPPED_HEADS, load_heads, save_heads
 from .heads import MedusaHeads
 
 
@@ -32,6 +32,10 @@ class MedusaTrainer(MethodTrainer):
 
     def feature_layers(self):
         return [-1]
+
+    def start_from(self, source):
+        directory = drafter_directory(source, self.target, SHIPPED_HEADS, "medusa", "Medusa heads")
+        load_state_checked(self.heads, load_heads(directory, self.target).state_dict(), directory)
 
     def module(self):
         return self.heads

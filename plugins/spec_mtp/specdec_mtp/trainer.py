@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft_checkpoint import save_draft_vocab, target_signature
+from specdec.draft_checkpoint import drafter_directory, save_draft_vocab, target_signature
 from specdec.training import UNROLLED_ATTENTION, MethodTrainer, TrainBatch, draft_vocabulary, training_time_test
 
-from .checkpoint import save_module
+from .checkpoint import SHIPPED_MODULE, load_module, save_module
 from .model import build_module
 
 
@@ -42,6 +42,10 @@ class MTPTrainer(MethodTrainer):
 
     def feature_layers(self):
         return [-1]
+
+    def start_from(self, source):
+        load_module(drafter_directory(source, self.target, SHIPPED_MODULE, self.name, "an MTP module"), self.target,
+                    self.mtp)
 
     def module(self):
         return self.mtp

@@ -4,6 +4,7 @@ feature store; the module is written in DeepSeek-V3's layout (the block's tensor
 through the same loader as a model's own MTP layers, and drafts losslessly."""
 
 import json
+import shutil
 
 from safetensors import safe_open
 
@@ -32,3 +33,16 @@ def test_trained_module_is_saved_in_the_deepseek_layout_and_drafts_losslessly(tm
     got = spec.chat(prompts, params)[0]
     assert got.token_ids == plain.token_ids and got.metrics.num_draft_tokens > 0
     assert len(spec.drafter.draft_to_target) <= 512
+
+    # --init default: the same data (answers and features copied, not made again), starting
+    # from the shipped module, whose loss on the first batch is far below a fresh module's
+    tuned = tmp_path / "tuned" / "mtp"
+    tuned.mkdir(parents=True)
+    shutil.copy(out / "samples.jsonl", tuned / "samples.jsonl")
+    shutil.copytree(out / "features", tuned / "features")
+    _, tuned_report, tuned_history = testing.train_briefly("mtp", tmp_path / "tuned", init="default", ttt_steps=2,
+                                                           loss_vocab_size=512)
+    print("first-batch loss, fresh and shipped:", history[0]["loss"], tuned_history[0]["loss"])
+    assert tuned_report["init"] == "default"
+    assert tuned_history[0]["loss"] < 0.5 * history[0]["loss"]
+    assert tuned_history[0]["acc0"] > history[0]["acc0"] + 0.2

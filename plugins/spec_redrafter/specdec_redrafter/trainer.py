@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft_checkpoint import save_draft_vocab, target_signature
+from specdec.draft_checkpoint import drafter_directory, load_state_checked, save_draft_vocab, target_signature
 from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary
 
-from .checkpoint import save_drafter
+from .checkpoint import SHIPPED_DRAFTER, load_drafter, save_drafter
 from .model import DrafterShape, RecurrentDrafter
 
 
@@ -42,6 +42,10 @@ class ReDrafterTrainer(MethodTrainer):
 
     def feature_layers(self):
         return [-1]
+
+    def start_from(self, source):
+        directory = drafter_directory(source, self.target, SHIPPED_DRAFTER, "redrafter", "a recurrent drafter")
+        load_state_checked(self.drafter, load_drafter(directory, self.target).state_dict(), directory)
 
     def module(self):
         return self.drafter
