@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/step_shapes.py medusa [--batch-size 8] [--max-tokens 96]
         [--dataset benchmarks/diverse.jsonl | --category summarization] [--probe-share 0.03] [--off]
-        [--batch-invariant] [--cold]
+        [--batch-invariant] [--cold] [--one-at-a-time]
 
 Runs the first ``--batch-size`` prompts of the set together (greedy, bfloat16, 2 threads)
 and prints the steps, those where some request verified a draft, the target tokens beside
@@ -14,8 +14,9 @@ measured against. ``step ms`` is the whole step as the engine times it for its c
 (drafting excluded), ``predicted ms`` what the cost model expected of that step just before
 it learnt from it (0 without the adaptive planner). ``--probe-share`` sets the adaptive planner's probe budget (``1e9``:
 none). ``--cold`` skips the warm-up request, so the planner starts on the batch itself,
-as an engine does on its first requests. What the adaptive planner's cost model has to
-learn is in these numbers.
+as an engine does on its first requests. ``--one-at-a-time`` runs the prompts one after
+another, each alone (batch 1), the planner's state carried from one to the next as in a
+server. What the adaptive planner's cost model has to learn is in these numbers.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> None:
     p.add_argument("--probe-share", type=float)
     p.add_argument("--off", action="store_true", help="the method's engine with speculation off")
     p.add_argument("--batch-invariant", action="store_true")
+    p.add_argument("--one-at-a-time", action="store_true", help="the prompts one after another, each alone")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     spec = None if args.method == "plain" else {"decoding_type": args.method}
@@ -85,9 +87,11 @@ def main() -> None:
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm-up, not counted
     steps.clear()
     planned.clear()
-    llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    for group in [[prompt] for prompt in prompts] if args.one_at_a_time else [prompts]:
+        llm.generate(group, SamplingParams(max_tokens=args.max_tokens, temperature=0))
     target_tokens, added = sum(s[3] for s in steps), sum(s[6] for s in steps)
-    print(f"# {args.method}{' (speculation off)' if args.off else ''}, batch {args.batch_size}, "
+    batch = f"{args.batch_size} prompts one at a time" if args.one_at_a_time else f"batch {args.batch_size}"
+    print(f"# {args.method}{' (speculation off)' if args.off else ''}, {batch}, "
           f"{args.max_tokens} tokens: {len(steps)} steps, {sum(s[1] for s in steps)} with drafts; "
           f"{target_tokens} target tokens, {added} of them drafts and windows (beside each request's last token)")
     shapes = collections.defaultdict(list)

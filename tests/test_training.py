@@ -53,7 +53,7 @@ def test_prompts_use_the_chat_template_only_where_there_is_one(smol, tmp_path):
     assert encode_prompt(base, {"prompt": "w3 w4 w5"}) == [3, 4, 5]
 
 
-def test_feature_store_matches_the_target_resumes_and_serves_fewer_layers(tiny_models, tmp_path):
+def test_feature_store_matches_the_target_resumes_grows_and_serves_fewer_layers(tiny_models, tmp_path):
     import json
 
     import torch
@@ -92,6 +92,18 @@ def test_feature_store_matches_the_target_resumes_and_serves_fewer_layers(tiny_m
     fewer = FeatureStore.build(part, target, samples, [-1], max_len=20, dtype="float32",
                                progress=lambda done, total: calls.append(done))
     assert calls == [] and list(fewer.batch([0], 5, torch.device("cpu"))) == [-1]
+    # samples appended to the data: only the new ones are computed; other samples: all of them
+    grown = tmp_path / "c"
+    FeatureStore.build(grown, target, samples[:3], [-1], max_len=20, dtype="float32")
+    calls.clear()
+    appended = FeatureStore.build(grown, target, samples, [-1], max_len=20, dtype="float32", batch_tokens=24,
+                                  progress=lambda done, total: calls.append(done))
+    assert calls == [4, 5]  # from sample 3 on
+    torch.testing.assert_close(appended.rows(-1), whole.rows(-1), atol=1e-4, rtol=1e-3)
+    calls.clear()
+    FeatureStore.build(grown, target, samples[1:], [-1], max_len=20, dtype="float32", batch_tokens=24,
+                       progress=lambda done, total: calls.append(done))
+    assert calls == [2, 3, 4]  # from the first sample on
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,12 @@ batch 8, 96 tokens, ``scripts/step_shapes.py lookahead --probe-share X``: 240 to
 probes without the budget, all eight requests probing in the same two steps; 45-165 with
 it, in 3-6 steps). A proposal of aux tokens only (lookahead's window while its pool has
 no match) brings nothing this step and is paid from the same budget: running every such
-window made lookahead's first steps at batch 8 cost several plain steps each.
+window made lookahead's first steps at batch 8 cost several plain steps each. Each probe
+or warm-up after which no request drafted on the estimate's own merit halves that share,
+down to an eighth; a draft the estimate keeps restores it. Without that, a method whose
+probes never pay kept losing the whole share: lookahead's windows, each about twice a
+decode step's time at batch 1, were 31 of 1,308 steps on the diverse set, 11 since
+(``scripts/step_shapes.py lookahead --batch-size 16 --one-at-a-time --batch-invariant``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ from ..kernels.layout import TREE_BATCH_PAIRS, padded_group_cost, padded_groups
 
 #: the attention work of a step's draft trees run as a batch of their own, in thousands of pairs
 TREE_BATCH_WORK = TREE_BATCH_PAIRS / 1000
+#: probes and warm-ups in a row that led to no draft worth verifying, after which the probe
+#: share stops halving (an eighth of it)
+PROBE_SHARE_HALVINGS = 3
 
 
 class StepCostModel:
@@ -381,7 +389,8 @@ class DraftPlanner:
         self.nodes_for_depth = nodes_for_depth
         self.probe_interval = probe_interval
         self.probe_share = probe_share
-        self.probe_credit = 0.0  # seconds probes may still spend: probe_share of every step's estimate
+        self.probe_credit = 0.0  # seconds probes may still spend: a share of every step's estimate
+        self.unpaid_probes = 0  # probes and warm-ups since a draft was last kept on its merit
         self.costs = StepCostModel()
         self.stats = AcceptanceStats(decay=0.99, prior_weight=2.0)
         self.aux_tokens = 0.0
@@ -391,13 +400,20 @@ class DraftPlanner:
     def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int) -> None:
         """A step ran (drafting excluded; ``widest``: the most new tokens of one
         decoding sequence, 1 where none verifies drafts): the cost model learns from it, and probes earn
-        ``probe_share`` of its estimated time (estimates, not the clock, so that a noisy
-        step neither grants nor denies a probe), saved up over four of the longest
-        back-offs at most, so that a long spell without probes is no licence for a burst."""
+        :attr:`probe_share_now` of its estimated time (estimates, not the clock, so that a noisy
+        step neither grants nor denies a probe), saved up to ``probe_share`` of four of the
+        longest back-offs at most, so that a long spell without probes is no licence for a
+        burst, and the dearest probe is paid in the end however far the share has halved."""
         self.costs.observe_step(num_tokens, work, seconds, widest)
         estimate = self.costs.step_seconds(num_tokens, work, widest)
-        self.probe_credit = min(self.probe_credit + self.probe_share * estimate,
+        self.probe_credit = min(self.probe_credit + self.probe_share_now * estimate,
                                 self.probe_share * 4 * 8 * self.probe_interval * estimate)
+
+    @property
+    def probe_share_now(self) -> float:
+        """``probe_share``, halved for each probe or warm-up in a row that led to no draft
+        worth verifying (down to an eighth)."""
+        return self.probe_share / 2 ** min(self.unpaid_probes, PROBE_SHARE_HALVINGS)
 
     def _afford_probe(self, seconds: float) -> bool:
         """Pay ``seconds`` of probing from the budget, if it holds them."""
@@ -435,6 +451,7 @@ class DraftPlanner:
         whose drafts keep not paying costs ever less; drafts that pay reset the wait."""
         req.probe_after = min(2 * (req.probe_after or self.probe_interval), 8 * self.probe_interval)
         req.steps_without_drafts = 0
+        self.unpaid_probes += 1
 
     def step_seconds(self, shape: StepShape, trees: bool = False) -> Callable[[int, int, int], float]:
         """The step's estimated seconds by its target tokens, widest sequence and number of
@@ -510,6 +527,7 @@ class DraftPlanner:
                     warming.append(i)
             elif depths[i] > 0:
                 req.probe_after = 0
+                self.unpaid_probes = 0
             elif id(req) in probing:  # paid for in plan()
                 depths[i] = 1
                 load.add(options[i].nodes[1])
@@ -523,6 +541,7 @@ class DraftPlanner:
             warm.add(i)
             reqs[i].last_warm_up = self.num_warm_ups
             self.num_warm_ups += 1
+            self.unpaid_probes += 1
         kept = [prop if i in warm else None if prop is None else prop.up_to_depth(depths[i])
                 for i, prop in enumerate(proposals)]
         for req, prop, k in zip(reqs, proposals, kept):

@@ -10,8 +10,9 @@ sees) and writes each requested layer as one flat file of rows, sample after sam
     OUT/features/layer_{L}.bin    [total tokens, hidden] raw rows (L = -1: final normalised)
 
 It is built in chunks and records how many samples are done after each, so an
-interrupted build resumes where it stopped; a store built for other layers, another
-target or other samples is rebuilt. A store holding more layers than asked for serves the
+interrupted build resumes where it stopped, and samples appended to the data add their
+rows after the old ones; a store built for other layers, another target or other samples
+is rebuilt. A store holding more layers than asked for serves the
 ones asked for (two methods may share one store).
 """
 
@@ -65,10 +66,11 @@ class FeatureStore:
         path = directory / INDEX
         if path.exists():
             old = json.loads(path.read_text())
-            same = ("layers", "done")
+            same = ("layers", "done", "lengths")
+            # samples appended to a run's data (its answers are cached in that order too) keep the rows of the old ones
             if ({k: v for k, v in old.items() if k not in same} == {k: v for k, v in index.items() if k not in same}
-                    and set(layers) <= set(old["layers"])):
-                index["done"], index["layers"] = old["done"], old["layers"]
+                    and old["lengths"] == lengths[:len(old["lengths"])] and set(layers) <= set(old["layers"])):
+                index["done"], index["layers"] = min(old["done"], len(lengths)), old["layers"]
             else:
                 log.info("%s: features of other layers, target or samples; computing them again", directory)
         store = cls(directory, index["layers"], lengths, target.hidden_size, DTYPES[dtype])
