@@ -167,7 +167,10 @@ class StepResult:
         accepted_nodes: indices into ``proposal.token_ids`` of the accepted path, root first.
         hidden_states: layer -> ``[n, hidden]`` target hidden states of the tokens whose KV
             was committed this step, in order (the prompt chunk, or root + accepted path).
-            Only the layers drafters asked for through ``target_hidden_layers``.
+            Only the layers drafters asked for through ``target_hidden_layers``. The first
+            chunk of a prompt whose prefix came from the prefix cache also carries the
+            prefix's stored states (from position 0) when a drafter reads every prompt
+            token (``reads_prompt_hidden_states``).
         aux_logits: target logits ``[len(aux_token_ids), vocab]`` of the aux tokens.
         is_prefill: the step computed (part of) the prompt.
         start: the position of the first token ``hidden_states`` covers (a prompt chunk's

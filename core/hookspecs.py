@@ -85,13 +85,15 @@ def reads_prompt_hidden_states() -> bool:
     every token of a prompt, or only for the newest token of each step.
 
     Called once, when the engine starts. A prompt prefix found in the prefix cache is not
-    run through the target again, so its tokens have no hidden states: the engine keeps
-    prefix caching only while every implementation of :func:`target_hidden_layers` also
-    implements this hook and returns False (one that does not is taken to read every
-    token). Drafters keeping a KV cache of their own over the prompt (EAGLE, MTP) read
-    them all; Medusa's heads and ReDrafter's RNN read the newest state only
-    (:class:`specdec.last_state.LastStateDrafter` returns False), and the last prompt
-    token is always run.
+    run through the target again, so its states are not computed. Unless every
+    implementation of :func:`target_hidden_layers` also implements this hook and returns
+    False (one that does not is taken to read every token), the engine keeps each committed
+    token's states beside its K/V (memory: layers x hidden size per token of the KV
+    budget) and hands a request whose prefix came from the cache its prefix's stored
+    states with the first prompt chunk (``StepResult.start`` 0). Drafters keeping a KV
+    cache of their own over the prompt (EAGLE, MTP) read them all; Medusa's heads and
+    ReDrafter's RNN read the newest state only (:class:`specdec.last_state.LastStateDrafter`
+    returns False: no states kept), and the last prompt token is always run.
 
     :return: True if the states of every prompt token are read.
 

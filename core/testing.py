@@ -365,6 +365,23 @@ def check_shipped_drafter(options: dict, min_length: float):
     return spec, length
 
 
+def check_shipped_prefix_cache(options: dict) -> None:
+    """A repeated chat prompt on the embedded model is served from the prefix cache and
+    drafted from exactly as the first time: greedy output equals plain greedy output, and
+    the same drafts are proposed and accepted (float32, batch-invariant numerics, so the
+    hidden states of the prompt tokens the target still runs do not depend on how many
+    share the forward either). A drafter that reads every prompt token's hidden state gets
+    the cached prefix's states from the engine; one that reads the newest only needs none."""
+    from .api import LLM
+
+    llm = LLM(dtype="float32", engine={"batch_invariant": True}, speculative_config={"adaptive": False, **options})
+    first, again = (llm.chat(SHIPPED_CHECK_PROMPTS[:1], SHIPPED_CHECK_PARAMS)[0] for _ in range(2))
+    assert first.metrics.num_cached_prompt_tokens == 0 < again.metrics.num_cached_prompt_tokens
+    assert again.token_ids == first.token_ids == embedded_plain_chat()[0].token_ids
+    drafts = [(o.metrics.drafted_at, o.metrics.accepted_at) for o in (first, again)]
+    assert drafts[0] == drafts[1] and first.metrics.num_accepted_tokens > 0, drafts
+
+
 def check_shipped_sampling(options: dict, n: int = 250) -> int:
     """:func:`check_sampling_lossless` on the embedded model (a short chat prompt,
     temperature 1, top-k 4); returns the accepted draft tokens."""

@@ -212,9 +212,10 @@ def test_plugin_registering_the_base_config_class_is_reported(tmp_path):
                                         "options)"}]
 
 
-def test_prefix_caching_stays_on_only_for_drafters_that_read_the_newest_hidden_state(tmp_path):
-    """Cached prefix blocks carry no hidden states: a drafter asking for them keeps prefix
-    caching only by declaring that it reads the newest token's states alone."""
+def test_hidden_states_are_kept_beside_the_kv_only_for_drafters_that_read_every_prompt_token(tmp_path):
+    """Prefix caching stays on for every drafter; the engine keeps the hidden states of
+    committed tokens (for prefixes served from the cache) unless every drafter asking for
+    states declares that it reads the newest token's alone."""
     from specdec import Drafter, hookimpl
 
     class ReadsEveryToken(Drafter):
@@ -232,8 +233,10 @@ def test_prefix_caching_stays_on_only_for_drafters_that_read_the_newest_hidden_s
             return False
 
     model = str(testing.tiny_model_dir(tmp_path))
-    caching = {}
+    kept = {}
     for drafter in (ReadsEveryToken, ReadsTheNewest, None):
         spec = drafter and {"decoding_type": "user", "drafter": drafter}
-        caching[drafter] = LLM(model=model, speculative_config=spec).engine.kv.pool.enable_prefix_caching
-    assert caching == {ReadsEveryToken: False, ReadsTheNewest: True, None: True}
+        engine = LLM(model=model, speculative_config=spec).engine
+        assert engine.kv.pool.enable_prefix_caching
+        kept[drafter] = engine.hidden_cache is not None and sorted(engine.hidden_cache.states)
+    assert kept == {ReadsEveryToken: [-1], ReadsTheNewest: False, None: False}

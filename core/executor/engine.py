@@ -27,7 +27,7 @@ from ..config import EngineConfig, SpeculativeConfig
 from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..errors import RequestError
 from ..kernels import AttentionLayout, SequenceSlice, use_triton
-from ..kvcache import KVCacheManager, PagedKVCache
+from ..kvcache import HiddenStateCache, KVCacheManager, PagedKVCache
 from ..sampler import (Verdict, apply_repetition_penalty, probs_from_logits, verify_greedy, verify_greedy_batch,
                        verify_sampled)
 from ..sampling_params import SamplingParams
@@ -74,8 +74,8 @@ class _Item:
 
 def _reads_prompt_hidden_states(hooks: pluggy.PluginManager) -> bool:
     """Whether some plugin asking for target hidden states reads them for every prompt
-    token: cached prefix blocks carry no hidden states, so the engine then turns prefix
-    caching off and every prompt token is computed (see the hook's documentation)."""
+    token: the engine then keeps every committed token's states beside its K/V, so that a
+    prefix served from the prefix cache comes with its states (see the hook's documentation)."""
     askers = {impl.plugin for impl in hooks.hook.target_hidden_layers.get_hookimpls()}
     declared = {impl.plugin for impl in hooks.hook.reads_prompt_hidden_states.get_hookimpls()}
     return not askers <= declared or any(hooks.hook.reads_prompt_hidden_states())
@@ -89,18 +89,23 @@ class Engine:
         self.spec = spec
         self.hooks = hooks.hook if hooks is not None else None
         self.max_model_len = min(config.max_model_len or target.max_model_len, target.max_model_len)
-        block_bytes = config.block_size * PagedKVCache.bytes_per_token(target.layer_shapes, target.dtype)
-        budget = (free_memory_bytes(target.device) * config.kv_cache_memory_fraction
-                  if config.kv_cache_memory_fraction else config.kv_cache_memory_mb * 2**20)
-        num_blocks = config.kv_cache_blocks or max(1, int(budget // block_bytes))
         self.hidden_layers: list[int] = []
         if self.hooks is not None:
             wanted = self.hooks.target_hidden_layers(target=target)
             self.hidden_layers = sorted({layer for layers in wanted for layer in layers})
             target.capture_hidden_layers(self.hidden_layers)
-        reuse = config.enable_prefix_caching and not (self.hidden_layers and _reads_prompt_hidden_states(hooks))
+        keep_states = bool(self.hidden_layers) and config.enable_prefix_caching and _reads_prompt_hidden_states(hooks)
+        token_bytes = PagedKVCache.bytes_per_token(target.layer_shapes, target.dtype) + (
+            HiddenStateCache.bytes_per_token(len(self.hidden_layers), target.hidden_size, target.dtype)
+            if keep_states else 0)
+        budget = (free_memory_bytes(target.device) * config.kv_cache_memory_fraction
+                  if config.kv_cache_memory_fraction else config.kv_cache_memory_mb * 2**20)
+        num_blocks = config.kv_cache_blocks or max(1, int(budget // (config.block_size * token_bytes)))
         cache = PagedKVCache(target.layer_shapes, num_blocks, config.block_size, target.dtype, target.device)
-        self.kv = KVCacheManager(cache, num_blocks, config.block_size, reuse)
+        self.kv = KVCacheManager(cache, num_blocks, config.block_size, config.enable_prefix_caching)
+        #: every committed token's hidden states, for requests whose prefix comes from the cache
+        self.hidden_cache = (HiddenStateCache(self.hidden_layers, num_blocks * config.block_size, target.hidden_size,
+                                              target.dtype, target.device) if keep_states else None)
         self.scheduler = Scheduler(config, self.kv)
         self.acceptance_rule = spec.acceptance_rule(target.tokenizer) if spec is not None else None
         self.planner = (DraftPlanner(spec.nodes_for_depth, spec.probe_interval)
@@ -375,14 +380,24 @@ class Engine:
         greedy = self._greedy_verdicts(items, logits)
         results: list[StepResult] = []
         moves_src, moves_dst = [], []
+        kept_slots, kept_rows_all = [], []  # where the committed rows' hidden states are kept
         for it in items:
             req = it.request
             if it.is_prefill:
                 self.kv.commit(req, it.start + len(it.tokens))
                 new = [] if not it.num_logits else (
                     greedy[id(it)].tokens if id(it) in greedy else self._sample_first(req, it, logits))
-                results.append(StepResult(request=req, new_token_ids=new, is_prefill=True, start=it.start,
-                                          hidden_states=self._rows(hidden, it.row_offset, range(len(it.tokens)))))
+                states, start = self._rows(hidden, it.row_offset, range(len(it.tokens))), it.start
+                if self.hidden_cache is not None:
+                    kept_slots += self.kv.slots(req, it.start, len(it.tokens))
+                    kept_rows_all += range(it.row_offset, it.row_offset + len(it.tokens))
+                    if start and start == req.num_from_prefix_cache:  # the prefix's states, from the cache
+                        slots = torch.tensor(self.kv.slots(req, 0, start), device=self.target.device)
+                        cached = self.hidden_cache.read(slots)
+                        states = {layer: torch.cat([cached[layer], h]) for layer, h in states.items()}
+                        start = 0
+                results.append(StepResult(request=req, new_token_ids=new, is_prefill=True, start=start,
+                                          hidden_states=states))
                 continue
             verdict = greedy.get(id(it)) or self._verify(req, it, logits)
             root = it.start
@@ -390,6 +405,9 @@ class Engine:
                 moves_src.extend(self.kv.slots(req, root + 1 + node, 1))
                 moves_dst.extend(self.kv.slots(req, root + k, 1))
             kept_rows = [0, *(1 + n for n in verdict.accepted_nodes)]
+            if self.hidden_cache is not None:
+                kept_slots += self.kv.slots(req, root, len(kept_rows))
+                kept_rows_all += (it.row_offset + r for r in kept_rows)
             aux = None
             if it.proposal is not None and it.proposal.aux_token_ids:
                 first_aux = it.logits_from + 1 + len(it.proposal.token_ids)
@@ -399,6 +417,11 @@ class Engine:
                                       hidden_states=self._rows(hidden, it.row_offset, kept_rows)))
         if moves_src:
             self.kv.move(moves_src, moves_dst, self.target.device)
+        if kept_slots:
+            device = self.target.device
+            rows = torch.tensor(kept_rows_all, device=device)
+            self.hidden_cache.write(torch.tensor(kept_slots, device=device),
+                                    {layer: h.index_select(0, rows) for layer, h in hidden.items()})
         outputs = []
         for res in results:
             req = res.request

@@ -39,6 +39,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     num_computed: int = 0
+    num_from_prefix_cache: int = 0  # tokens the current admission took from the prefix cache
     block_table: list[int] = attrs.Factory(list)
     drafter_state: dict = attrs.Factory(dict)
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)

@@ -43,3 +43,10 @@ def test_preempted_requests_rebuild_the_draft_cache_and_stay_lossless():
     assert preempted, "the cache was large enough: nothing was preempted"
     for a, b in zip(plain * 2, got):
         assert b.token_ids == a.token_ids
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+def test_a_prompt_found_in_the_prefix_cache_drafts_as_when_computed(name):
+    """The draft layer reads every prompt token's features: the engine hands it those of
+    the cached prefix, so a repeated prompt drafts and accepts exactly as the first time."""
+    testing.check_shipped_prefix_cache({"decoding_type": name})

@@ -18,3 +18,9 @@ def test_shipped_module_is_lossless_and_accepted():
 def test_sampled_output_follows_the_target():
     assert testing.check_shipped_sampling({"decoding_type": "mtp", "speculative_model": str(SHIPPED_MODULE),
                                            "max_draft_len": 2}) > 0
+
+
+def test_a_prompt_found_in_the_prefix_cache_drafts_as_when_computed():
+    """The module reads every prompt token's hidden state: the engine hands it those of the
+    cached prefix, so a repeated prompt drafts and accepts exactly as the first time."""
+    testing.check_shipped_prefix_cache({"decoding_type": "mtp"})
