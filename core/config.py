@@ -158,9 +158,9 @@ class EngineConfig:
         kv_cache_memory_fraction: else, this share of the device's free memory (after loading).
         kv_cache_memory_mb: else, this many MiB.
         max_model_len: context length limit; defaults to the model's own.
-        enable_prefix_caching: share KV blocks of identical prompt prefixes across requests
-            (off, whatever this says, under a drafter that reads every prompt token's hidden
-            states: EAGLE, MTP).
+        enable_prefix_caching: share KV blocks of identical prompt prefixes across requests.
+            Under a drafter that reads every prompt token's hidden states (EAGLE, MTP) the
+            engine keeps those states beside the blocks, out of the same memory budget.
         num_threads: torch CPU threads (None leaves torch's default).
         batch_invariant: compute every token so that its result depends on its own sequence
             only, not on the drafts or requests sharing the forward: greedy output is then

@@ -57,7 +57,7 @@ class LastStateDrafter(Drafter):
 
     @hookimpl
     def reads_prompt_hidden_states(self):
-        return False  # the newest token's state only: prefix caching stays on
+        return False  # the newest token's state only: no states kept for cached prefixes
 
     @hookimpl
     def on_draft_verified(self, results):

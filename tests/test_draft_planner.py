@@ -471,6 +471,27 @@ def test_warm_ups_bringing_aux_tokens_only_spend_at_most_the_probe_share(probe_s
     assert probe_share / 16 < spent / elapsed <= probe_share / 4
 
 
+def test_a_cold_planner_lets_one_request_of_a_batch_verify_drafts_until_some_were_measured():
+    """Until a few drafts were verified the acceptance is a guess: one request (the one
+    expecting the most) finds out what drafts bring, then the batch drafts on the estimate."""
+    from specdec.executor.draft_planner import COLD_START_DRAFTS, StepShape
+
+    planner, reqs = planner_with(CheapTokens()), [request(f"r{i}") for i in range(8)]
+    shape = StepShape([(10, 1)] * 8, padded=False)
+    planner.request_stats(reqs[3]).observe("long match", 4, 4)  # r3 has a draft kind known to pay
+    verifying, first = [], []
+    for _ in range(COLD_START_DRAFTS + 2):
+        proposals = [DraftProposal(token_ids=[5] * 4, kind="long match" if r is reqs[3] else None) for r in reqs]
+        kept = planner.trim(reqs, proposals, shape)
+        verifying.append(sum(k is not None for k in kept))
+        first.append(next(r.request_id for r, k in zip(reqs, kept) if k is not None))
+        for req, k in zip(reqs, kept):
+            if k is not None:
+                planner.observe(req, k.kind, depth=k.depth, accepted=2)
+    assert verifying == [1] * COLD_START_DRAFTS + [8, 8]
+    assert first[0] == "r3"
+
+
 def test_a_drafter_that_rarely_has_a_draft_is_asked_only_where_asking_is_cheap():
     from specdec.executor.draft_planner import StepShape
 

@@ -17,7 +17,8 @@ no table to tune):
 first over all requests, and keeps the prefix with the highest expected tokens per second.
 :class:`DraftPlanner` runs it twice per step: before drafting, to tell each drafter the
 depth worth asking for (drafting time counted), and on the proposals, to trim each to the
-depth its own kind earns (drafting time already spent). A request the planner keeps from
+depth its own kind earns (drafting time already spent; until :data:`COLD_START_DRAFTS`
+drafts were verified, one request a step). A request the planner keeps from
 drafting is probed with a one-level draft after ``probe_interval`` steps, then after
 twice as many each time the probe does not pay (up to 8x), so that speculation comes
 back on when it would pay again. Probes are paid from a budget shared by the batch: a
@@ -48,6 +49,12 @@ from ..kernels.layout import TREE_BATCH_PAIRS, padded_group_cost, padded_groups
 
 #: the attention work of a step's draft trees run as a batch of their own, in thousands of pairs
 TREE_BATCH_WORK = TREE_BATCH_PAIRS / 1000
+#: drafts the engine verifies, one request a step, before a batch verifies drafts on the
+#: acceptance it guesses: eight medusa requests of the diverse set at batch 8, starting at the guess,
+#: verified trees of 16-32 nodes each in their first steps, 80-95 ms against a 40 ms decode
+#: step, for drafts that were rarely accepted (``scripts/step_shapes.py medusa --batch-size 8
+#: --batch-invariant``)
+COLD_START_DRAFTS = 4
 #: probes and warm-ups in a row that led to no draft worth verifying, after which the probe
 #: share stops halving (an eighth of it)
 PROBE_SHARE_HALVINGS = 3
@@ -395,6 +402,7 @@ class DraftPlanner:
         self.stats = AcceptanceStats(decay=0.99, prior_weight=2.0)
         self.aux_tokens = 0.0
         self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
+        self.num_verified = 0  # drafts verified since the engine started
         self.num_warm_ups = 0
 
     def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int) -> None:
@@ -511,7 +519,7 @@ class DraftPlanner:
                            for j in range(1, prop.depth + 1)]
             options.append(DraftOption(self.request_stats(req).curve(prop.kind, prop.depth), nodes))
         step = self.step_seconds(shape, trees=any(prop is not None and prop.verified_as_tree for prop in proposals))
-        depths = best_depths(options, shape.tokens, step)
+        depths = self._one_while_cold(best_depths(options, shape.tokens, step), options)
         load = _StepLoad(shape.tokens, options, depths)
         probing, self._probing = self._probing, set()
         cut = []  # drafts the estimate refuses, not already probes
@@ -549,6 +557,15 @@ class DraftPlanner:
                 req.metrics.num_steps_speculation_off += 1
         return kept
 
+    def _one_while_cold(self, depths: list[int], options: list[DraftOption]) -> list[int]:
+        """``depths``, but until :data:`COLD_START_DRAFTS` drafts have been verified only the
+        request expecting the most verifies its draft: the acceptance of a batch's drafts is
+        the initial guess until then, and one request finds out what they bring."""
+        if self.num_verified >= COLD_START_DRAFTS or sum(d > 0 for d in depths) < 2:
+            return depths
+        first = max(range(len(depths)), key=lambda i: sum(options[i].gains[:depths[i]]))
+        return [d if i == first else 0 for i, d in enumerate(depths)]
+
     def observe_asks(self, reqs: list, proposals: list) -> None:
         """Whether each request asked for a draft got one. A proposal of aux tokens only
         (lookahead filling its n-gram pool) is neither: the drafter is warming up."""
@@ -562,3 +579,4 @@ class DraftPlanner:
         """What the target accepted of a verified draft of ``depth`` levels."""
         self.request_stats(req).observe(kind, depth, accepted)
         self.stats.observe(kind, depth, accepted)
+        self.num_verified += 1

@@ -13,6 +13,7 @@ One call of :meth:`Engine.step` is one target forward for every scheduled reques
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -108,7 +109,11 @@ class Engine:
                                               target.dtype, target.device) if keep_states else None)
         self.scheduler = Scheduler(config, self.kv)
         self.acceptance_rule = spec.acceptance_rule(target.tokenizer) if spec is not None else None
-        self.planner = (DraftPlanner(spec.nodes_for_depth, spec.probe_interval)
+        # the config is frozen: its draft shapes are worked out once per depth and batch size
+        # (a Medusa tree's node count from its choice list took a millisecond a step at batch 8)
+        self._nodes_for_depth = functools.cache(spec.nodes_for_depth) if spec is not None else None
+        self._shape_for_batch = functools.cache(spec.draft_shape_for_batch) if spec is not None else None
+        self.planner = (DraftPlanner(self._nodes_for_depth, spec.probe_interval)
                         if spec is not None and spec.is_adaptive else None)
         target.set_linear_forwards(config.batch_invariant, config.prepack_weights and not config.compile)
         if config.compile:
@@ -201,14 +206,14 @@ class Engine:
             return 0, 0
         room = min(req.sampling_params.max_tokens - req.num_output_tokens,
                    self.max_model_len - len(req.token_ids)) - 1
-        depth, nodes = self.spec.draft_shape_for_batch(batch_size)
+        depth, nodes = self._shape_for_batch(batch_size)
         depth = max(0, min(depth, room, allowance))
         return depth, (min(nodes, allowance) if depth else 0)
 
     def step(self) -> list[StepOutput]:
         started = time.perf_counter()
         batch_size = len(self.scheduler.running) + min(len(self.scheduler.waiting), 1)
-        nodes = self.spec.draft_shape_for_batch(max(batch_size, 1))[1] if self.spec else 0
+        nodes = self._shape_for_batch(max(batch_size, 1))[1] if self.spec else 0
         plan = self.scheduler.schedule(draft_budget=nodes)
         if plan.empty:
             return []
@@ -244,7 +249,7 @@ class Engine:
         shapes = [self._draft_shape(r, batch_size, a) for r, a in zip(reqs, allowances)]
         if self.planner is not None and self.hooks is not None:
             depths = self.planner.plan(reqs, shapes, before_drafts)
-            shapes = [(d, min(n, self.spec.nodes_for_depth(d))) for d, (_, n) in zip(depths, shapes)]
+            shapes = [(d, min(n, self._nodes_for_depth(d))) for d, (_, n) in zip(depths, shapes)]
         proposals: list[DraftProposal | None] = [None] * len(reqs)
         speculating = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
         spent = 0.0
