@@ -8,7 +8,7 @@ Runs the first ``--batch-size`` prompts of the set together (greedy, bfloat16, 2
 and prints the steps, those where some request verified a draft, the target tokens beside
 the prompt and decoding tokens (drafts and lookahead's window: what speculation added),
 and per decode-step shape (sequences, target tokens, widest sequence) the median forward
-time. ``--off`` keeps the method's engine (hidden-state capture, no prefix caching) with
+time. ``--off`` keeps the method's engine (hidden-state capture, the states kept for cached prefixes) with
 speculation off (``draft_len_schedule {1: 0}``): the baseline its steps with drafts are
 measured against. ``step ms`` is the whole step as the engine times it for its cost model
 (drafting excluded), ``predicted ms`` what the cost model expected of that step just before
