@@ -14,6 +14,11 @@ requests at most.
 
     python scripts/make_self_instruct_prompts.py --out training/self_instruct.jsonl --count 2400 --seed 1
 
+grows a set with ``--avoid`` (its requests count as repeats) and another seed:
+
+    python scripts/make_self_instruct_prompts.py --out training/self_instruct_2.jsonl --count 3000 --seed 2 \
+        --avoid training/self_instruct.jsonl
+
 The target then answers them during ``specdec train`` like any other prompt file.
 """
 
@@ -82,7 +87,10 @@ def acceptable(text: str, min_words: int, max_words: int) -> bool:
     return plain > 0.97 and sum(c.isalpha() for c in text) / len(text) > 0.6
 
 
-def build(llm, count: int, seed: int, batch: int, min_words: int, max_words: int, log=print) -> list[dict]:
+def build(llm, count: int, seed: int, batch: int, min_words: int, max_words: int, known: set[str] = frozenset(),
+          log=print) -> list[dict]:
+    """``count`` requests; one whose words are those of a request in ``known`` (or of one
+    drawn before) counts as a repeat."""
     from specdec import SamplingParams
 
     rng = random.Random(seed)
@@ -92,7 +100,7 @@ def build(llm, count: int, seed: int, batch: int, min_words: int, max_words: int
     prefix = template[:start]  # ... <|im_start|>user\n
     forbidden = set().union(*(shingles(t) for t in benchmark_texts()))
     openings, weights = zip(*OPENINGS)
-    seen, out, drawn, started = set(), [], 0, time.perf_counter()
+    seen, out, drawn, started = set(known), [], 0, time.perf_counter()
     while len(out) < count:
         chosen = rng.choices(openings, weights, k=batch)
         params = [SamplingParams(max_tokens=96, temperature=0.8, top_p=0.95, seed=seed * 1_000_003 + drawn + i)
@@ -124,9 +132,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=48)
     parser.add_argument("--min-words", type=int, default=4)
     parser.add_argument("--max-words", type=int, default=80)
+    parser.add_argument("--avoid", nargs="*", default=[], metavar="FILE",
+                        help="prompt files whose requests count as repeats (to grow a set with another seed)")
     args = parser.parse_args()
+    known = {" ".join(words(json.loads(line)["prompt"])) for path in args.avoid for line in open(path) if line.strip()}
     llm = LLM(dtype="bfloat16", engine={"max_batch_size": args.batch})
-    drawn = build(llm, args.count, args.seed, args.batch, args.min_words, args.max_words)
+    drawn = build(llm, args.count, args.seed, args.batch, args.min_words, args.max_words, known)
     rows = off_topic(drawn, benchmark_texts())
     with open(args.out, "w") as fh:
         for row in rows:

@@ -15,7 +15,8 @@ from the one-token graph to the dynamic one). A shape may be a batch, one width 
 sequence: ``--curve 1,1,1,1,1,1,1,1 2,1,1,1,1,1,1,1 2,2,2,2,2,2,2,2`` times eight decoding
 sequences, then one and all of them verifying a draft token; ``t16`` is a tree of 16
 tokens (the root and 15 children of it: each node's own row in the batch-invariant
-attention), ``t16,t16,1,1,1,1,1,1`` two of them in a batch of eight.
+attention), ``t16,t16,1,1,1,1,1,1`` two of them in a batch of eight. ``--batch-invariant
+--against-stock`` times every shape under both numerics, interleaved: the mode's cost.
 """
 
 from __future__ import annotations
@@ -90,19 +91,20 @@ def time_step(run, steps: int) -> float:
     return statistics.median(times)
 
 
-def time_curve(llm: LLM, context: int, shapes: list[str], rounds: int, batch_invariant: bool) -> dict[str, float]:
+def time_curve(llms: dict[bool, LLM], context: int, shapes: list[str], rounds: int) -> dict[tuple[str, bool], float]:
     """Median seconds of a step of each shape (``16``: one sequence of 16 new tokens;
-    ``2,1,1,1``: four sequences, the first verifying two tokens), interleaved in every round."""
-    runs = {n: step_runner(llm, context, [int(w.lstrip("t")) for w in n.split(",")], batch_invariant=batch_invariant,
-                           trees=[w.startswith("t") for w in n.split(",")])
-            for n in shapes}
-    times: dict[str, list[float]] = {n: [] for n in shapes}
+    ``2,1,1,1``: four sequences, the first verifying two tokens) under each numerics mode of
+    ``llms`` (batch-invariant or not), interleaved in every round."""
+    runs = {(n, invariant): step_runner(llm, context, [int(w.lstrip("t")) for w in n.split(",")],
+                                        batch_invariant=invariant, trees=[w.startswith("t") for w in n.split(",")])
+            for n in shapes for invariant, llm in llms.items()}
+    times: dict[tuple[str, bool], list[float]] = {key: [] for key in runs}
     for _ in range(rounds + 1):  # the first round warms up
-        for n, run in runs.items():
+        for key, run in runs.items():
             started = time.perf_counter()
             run()
-            times[n].append(time.perf_counter() - started)
-    return {n: statistics.median(t[1:]) for n, t in times.items()}
+            times[key].append(time.perf_counter() - started)
+    return {key: statistics.median(t[1:]) for key, t in times.items()}
 
 
 def profile_split(run, top: int = 0) -> dict[str, float]:
@@ -135,6 +137,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-prepack", action="store_true", help="engine.prepack_weights off (stock F.linear)")
     p.add_argument("--batch-invariant", action="store_true", help="engine.batch_invariant on")
+    p.add_argument("--against-stock", action="store_true",
+                   help="with --batch-invariant --curve: also time the stock numerics, interleaved, and print "
+                        "the mode's cost per shape")
     p.add_argument("--compile", action="store_true", help="engine.compile on (the two graphs compile first)")
     p.add_argument("--top", type=int, default=0, help="also print the N operations that took most time")
     p.add_argument("--context", type=int, default=256)
@@ -143,11 +148,16 @@ def main() -> None:
                    help="time steps of these token counts (interleaved, --steps rounds) instead of profiling")
     p.add_argument("--bandwidth", type=float, default=12.0, help="memory bandwidth in GB/s for the floor")
     args = p.parse_args()
+    if args.against_stock and not (args.batch_invariant and args.curve):
+        p.error("--against-stock compares the batch-invariant mode's steps: give --batch-invariant and --curve")
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    llm = LLM(dtype=args.dtype, engine={"quantization": args.quantization, "kv_cache_blocks": 1,
-                                        "prepack_weights": not args.no_prepack,
-                                        "batch_invariant": args.batch_invariant, "compile": args.compile})
+    modes = [True, False] if args.against_stock else [args.batch_invariant]
+    llms = {invariant: LLM(dtype=args.dtype, engine={"quantization": args.quantization, "kv_cache_blocks": 1,
+                                                     "prepack_weights": not args.no_prepack,
+                                                     "batch_invariant": invariant, "compile": args.compile})
+            for invariant in modes}
+    llm = llms[args.batch_invariant]
     built = time.perf_counter() - started
     model = llm.target.model
     tensors = lambda m: [t for t in list(m.parameters()) + list(m.buffers()) if t is not None]  # noqa: E731
@@ -161,8 +171,13 @@ def main() -> None:
           f"{streamed / 2**20:.0f} MiB, {floor * 1000:.1f} ms at {args.bandwidth:g} GB/s; "
           f"LLM built in {built:.0f} s{' (graphs compiled)' if args.compile else ''}")
     if args.curve:
-        curve = time_curve(llm, args.context, args.curve, args.steps, args.batch_invariant)
-        print("tokens per step -> ms: " + ", ".join(f"{n}: {t * 1000:.1f}" for n, t in curve.items()))
+        curve = time_curve(llms, args.context, args.curve, args.steps)
+        print("tokens per step -> ms: " + ", ".join(f"{n}: {curve[n, args.batch_invariant] * 1000:.1f}"
+                                                    for n in args.curve))
+        if len(llms) > 1:
+            print("stock numerics -> ms: " + ", ".join(
+                f"{n}: {curve[n, False] * 1000:.1f} (mode {curve[n, True] / curve[n, False]:.2f}x)"
+                for n in args.curve))
         return
     for label, new in (("decode (1 token)", 1), ("verify (16 tokens)", 16)):
         run = step_runner(llm, args.context, new, batch_invariant=args.batch_invariant)
