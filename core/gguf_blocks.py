@@ -1,11 +1,17 @@
-"""A GGUF file's own 4-bit blocks as int4 linear layers, without widening them first.
+"""A GGUF file's own quantized blocks as a quantized target's layers, without widening the
+model first.
 
 GGUF's Q4_1 block holds 32 weights as ``w = q * d + m`` (``q`` 0..15, ``d`` and ``m``
 float16) and Q4_0 as ``w = (q - 8) * d``: exactly :class:`~specdec.quantization.Int4Linear`'s
-groups, so the codes and scales are copied as they are. Only llama-architecture files are
-mapped here (tensor names ``blk.N.attn_q`` ... ``ffn_down``; the query and key rows are
-un-permuted as transformers' GGUF loader does, a row order only); other layers, types and
-architectures are quantized from the weights transformers loaded.
+groups, so the codes and scales are copied as they are. The token embedding (and an untied
+output matrix), stored Q8_0 / F16 / F32, is widened a few thousand rows at a time and
+rounded to int8 per row as :func:`~specdec.quantization.quantize_rows_int8` rounds the whole
+float32 matrix, so its float32 copy (113 MB for the embedded model) never exists. Tensors
+are read with plain file reads: a memory map's touched pages would count in the process's
+resident memory for as long as it is open. Only llama-architecture files are mapped here
+(tensor names ``blk.N.attn_q`` ... ``ffn_down``, ``token_embd``, ``output``; the query and
+key rows are un-permuted as transformers' GGUF loader does, a row order only); other
+layers, types and architectures are quantized from the weights transformers loaded.
 """
 
 from __future__ import annotations
@@ -16,13 +22,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .quantization import GROUP_SIZE, Int4Linear
+from .quantization import GROUP_SIZE, Int4Linear, Int8Embedding, Int8Linear, quantize_rows_int8, release_freed_memory
 
 _LLAMA_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
 #: GGML tensor types taken as they are, and the bytes of one 32-weight block of each.
 _BLOCK_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20)}
+#: GGML tensor types an int8 matrix is rounded from, and the bytes of one 32-weight block of each.
+_WIDE_TYPES = {0: "F32", 1: "F16", 8: "Q8_0"}
+_WIDE_BLOCK_BYTES = {"F32": 128, "F16": 64, "Q8_0": 34}
+#: rows of an embedding widened to float32 at a time.
+_ROWS_AT_A_TIME = 4096
 #: sizes of GGUF's scalar metadata value types (8 is a string, 9 an array).
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
@@ -85,25 +96,63 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def int4_layers(gguf: Path, config, dtype: torch.dtype) -> dict[str, Int4Linear]:
-    """``{module name: Int4Linear}`` for the file's Q4_0 / Q4_1 linear layers (llama files)."""
+def _read(f, offset: int, rows: int, width: int) -> np.ndarray:
+    """``rows`` rows of ``width`` bytes from ``offset`` of the open file ``f``."""
+    f.seek(offset)
+    return np.frombuffer(f.read(rows * width), dtype=np.uint8).reshape(rows, width)
+
+
+def _widen(kind: str, raw: np.ndarray) -> torch.Tensor:
+    """Rows of F32 / F16 / Q8_0 data -> float32 ``[rows, columns]`` (Q8_0: ``w = q * d``)."""
+    if kind == "F32":
+        return torch.from_numpy(raw.copy().view(np.float32))
+    if kind == "F16":
+        return torch.from_numpy(raw.copy().view(np.float16).astype(np.float32))
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    scale = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    return torch.from_numpy((blocks[..., 2:].copy().view(np.int8).astype(np.float32) * scale).reshape(raw.shape[0], -1))
+
+
+def _int8_rows(f, kind: str, offset: int, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An F32 / F16 / Q8_0 matrix rounded to int8 per row, :data:`_ROWS_AT_A_TIME` rows at a time."""
+    width = columns // GROUP_SIZE * _WIDE_BLOCK_BYTES[kind]
+    codes, scale = torch.empty(rows, columns, dtype=torch.int8), torch.empty(rows)
+    for start in range(0, rows, _ROWS_AT_A_TIME):
+        count = min(_ROWS_AT_A_TIME, rows - start)
+        codes[start:start + count], scale[start:start + count] = quantize_rows_int8(
+            _widen(kind, _read(f, offset + start * width, count, width)))
+    return codes, scale
+
+
+def quantized_layers(gguf: Path, config, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """``{module name: layer}`` from a llama file's own blocks: an :class:`Int4Linear` for each
+    Q4_0 / Q4_1 linear layer, an :class:`Int8Embedding` for the token embedding and an
+    :class:`Int8Linear` for an untied output matrix (F32, F16 or Q8_0)."""
     arch, tensors = _read_tensor_table(gguf)
     if arch != "llama":
         return {}
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    data = np.memmap(gguf, dtype=np.uint8, mode="r")
     layers = {}
-    for name, dims, kind, offset in tensors:
-        parts = name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LLAMA_NAMES or kind not in _BLOCK_TYPES:
-            continue
-        (columns, rows), (block_name, block_bytes) = dims, _BLOCK_TYPES[kind]
-        if columns % GROUP_SIZE:
-            continue
-        width = columns // GROUP_SIZE * block_bytes
-        codes, scale, minimum = _decode(block_name, data[offset:offset + rows * width].reshape(rows, width))
-        if parts[2] in heads:
-            order = _unpermute_rows(rows, heads[parts[2]])
-            codes, scale, minimum = codes[order], scale[order], minimum[order]
-        layers[f"model.layers.{parts[1]}.{_LLAMA_NAMES[parts[2]]}"] = Int4Linear(codes, scale, minimum, None, dtype)
+    with open(gguf, "rb") as f:
+        for name, dims, kind, offset in tensors:
+            (columns, *rest), parts = dims, name.split(".")
+            rows = rest[0] if rest else 1
+            if name in ("token_embd.weight", "output.weight") and kind in _WIDE_TYPES and columns % GROUP_SIZE == 0:
+                codes, scale = _int8_rows(f, _WIDE_TYPES[kind], offset, rows, columns)
+                if name == "output.weight":
+                    layers["lm_head"] = Int8Linear(codes, scale, None, dtype)
+                else:
+                    layers["model.embed_tokens"] = Int8Embedding(codes, scale, dtype, config.pad_token_id)
+                continue
+            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LLAMA_NAMES or kind not in _BLOCK_TYPES:
+                continue
+            block_name, block_bytes = _BLOCK_TYPES[kind]
+            if columns % GROUP_SIZE:
+                continue
+            codes, scale, minimum = _decode(block_name, _read(f, offset, rows, columns // GROUP_SIZE * block_bytes))
+            if parts[2] in heads:
+                order = _unpermute_rows(rows, heads[parts[2]])
+                codes, scale, minimum = codes[order], scale[order], minimum[order]
+            layers[f"model.layers.{parts[1]}.{_LLAMA_NAMES[parts[2]]}"] = Int4Linear(codes, scale, minimum, None, dtype)
+            release_freed_memory()  # a layer's temporaries, kept by the allocator, would add up to the weights' size
     return layers

@@ -13,8 +13,9 @@ lossless verification need nothing more: the quantized model *is* the target, an
 speculative output equals that target's plain output.
 
 A GGUF target's Q4_0 / Q4_1 linear blocks become int4 layers as they are (:mod:`.gguf_blocks`):
-no second rounding, the same 4-bit weights llama.cpp runs. Everything else is quantized here
-from the weights transformers loaded (round to nearest).
+no second rounding, the same 4-bit weights llama.cpp runs; its embedding is rounded to int8
+from the file's own 8-bit blocks, a few thousand rows at a time. Everything else is
+quantized here from the weights transformers loaded (round to nearest).
 """
 
 from __future__ import annotations
@@ -174,28 +175,30 @@ def rows_are_independent(module: nn.Module, in_features: int, dtype: torch.dtype
 
 def quantize_target(path: Path, mode: str, dtype: torch.dtype, device: torch.device, gguf: Path | None = None):
     """Load the transformers model in ``path`` quantized; a GGUF source's Q4_0/Q4_1 linear
-    blocks become its int4 layers as they are.
+    blocks become its int4 layers as they are, and its embedding is read from the file
+    (:func:`~specdec.gguf_blocks.quantized_layers`).
 
     Where the safetensors files hold every parameter under the model's own names, the
     model is built without weights and each layer is read and quantized in turn, so the
     full-precision model never sits in memory; otherwise it is loaded in ``dtype`` first.
     """
-    from .gguf_blocks import int4_layers
+    from .gguf_blocks import quantized_layers
     from .models import load_causal_lm
 
     check_supported(mode, device, dtype)
     model, read = _empty_model(path, dtype)
     if model is None:
         model, read = load_causal_lm(path, dtype, device), None
-    blocks = int4_layers(gguf, model.config, dtype) if mode == "int4" and gguf is not None else {}
+    blocks = quantized_layers(gguf, model.config, dtype) if mode == "int4" and gguf is not None else {}
+    release_freed_memory()
     quantize_model(model, mode, dtype, blocks, read)
-    _release_freed_memory()
+    release_freed_memory()
     return model.eval()
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the loading's freed temporaries back to the system (glibc keeps them otherwise:
-    about 300 MB for the embedded model, three times its int4 weights)."""
+    about 90 MB after the embedded model's int4 blocks are decoded, as much as the weights)."""
     import ctypes
 
     try:
@@ -239,24 +242,25 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict
                    read=None) -> dict:
     """Replace the model's linear layers and plain embeddings in place; return counts.
 
-    ``blocks`` maps module names to ready int4 layers (from a GGUF file's own blocks); the
-    others are quantized from their weights (``read(parameter)`` gives the values of a
-    parameter not loaded yet). Linear layers whose input width is not a multiple of
-    :data:`GROUP_SIZE` get int8 under ``int4``. Parameters left (norms, ...) are loaded
-    in ``dtype``.
+    ``blocks`` maps module names to ready layers (from a GGUF file's own blocks: int4 linear
+    layers, an int8 embedding, which a tied head shares); the others are quantized from
+    their weights (``read(parameter)`` gives the values of a parameter not loaded yet).
+    Linear layers whose input width is not a multiple of :data:`GROUP_SIZE` get int8 under
+    ``int4``. Parameters left (norms, ...) are loaded in ``dtype``.
     """
     blocks = blocks or {}
     read = read or (lambda tensor: tensor)
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
+    file_embedding = blocks.get(next((n for n, m in model.named_modules() if m is embed), None))
     counts = {"int4": 0, "int8": 0, "from_file": 0, "embedding": 0}
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
         bias = None if module.bias is None else read(module.bias)
-        if name in blocks:
-            new = blocks[name]
+        if name in blocks or (module is head and tied and file_embedding is not None):
+            new = blocks.get(name) or Int8Linear(file_embedding.codes, file_embedding.scale, None, dtype)
             if bias is not None:
                 new.register_buffer("bias", bias.to(dtype))
             counts["from_file"] += 1
@@ -266,7 +270,10 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict
             new = Int8Linear.from_weight(read(module.weight), bias, dtype)
         counts["int4" if isinstance(new, Int4Linear) else "int8"] += 1
         _set_module(model, name, new)
-    if type(embed) is nn.Embedding:
+    if file_embedding is not None:
+        model.set_input_embeddings(file_embedding)
+        counts["embedding"] = 1
+    elif type(embed) is nn.Embedding:
         new_head = model.get_output_embeddings()
         if tied and isinstance(new_head, Int8Linear):
             codes, scale = new_head.codes, new_head.scale

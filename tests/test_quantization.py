@@ -44,14 +44,20 @@ def test_packed_kernels_compute_each_row_alone(dtype):
 
 
 def test_gguf_blocks_are_the_files_own_weights(smol_hf):
-    """The embedded Q4_1 file's blocks, taken as they are, equal transformers' dequantization of it."""
-    from specdec.gguf_blocks import int4_layers
+    """The embedded Q4_1 file's blocks, taken as they are, equal transformers' dequantization
+    of it; its Q8_0 embedding, rounded a few thousand rows at a time, equals the whole float32
+    matrix rounded at once."""
+    from specdec.gguf_blocks import quantized_layers
     from specdec.models import embedded_gguf_path
 
-    layers = int4_layers(embedded_gguf_path(), smol_hf.config, torch.float32)
+    layers = quantized_layers(embedded_gguf_path(), smol_hf.config, torch.float32)
+    embedding = layers.pop("model.embed_tokens")
     assert len(layers) == 7 * smol_hf.config.num_hidden_layers
     for name, layer in layers.items():
-        assert torch.equal(layer.weight, smol_hf.get_submodule(name).weight), name
+        assert isinstance(layer, Int4Linear) and torch.equal(layer.weight, smol_hf.get_submodule(name).weight), name
+    codes, scale = quantize_rows_int8(smol_hf.get_input_embeddings().weight)
+    assert embedding.codes.shape[0] > 4096  # rounded in more than one piece
+    assert torch.equal(embedding.codes, codes) and torch.equal(embedding.scale, scale)
 
 
 @pytest.fixture(scope="module")
