@@ -30,8 +30,7 @@ _LLAMA_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
 #: GGML tensor types taken as they are, and the bytes of one 32-weight block of each.
 _BLOCK_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20)}
 #: GGML tensor types an int8 matrix is rounded from, and the bytes of one 32-weight block of each.
-_WIDE_TYPES = {0: "F32", 1: "F16", 8: "Q8_0"}
-_WIDE_BLOCK_BYTES = {"F32": 128, "F16": 64, "Q8_0": 34}
+_WIDE_TYPES = {0: ("F32", 128), 1: ("F16", 64), 8: ("Q8_0", 34)}
 #: rows of an embedding widened to float32 at a time.
 _ROWS_AT_A_TIME = 4096
 #: sizes of GGUF's scalar metadata value types (8 is a string, 9 an array).
@@ -113,9 +112,10 @@ def _widen(kind: str, raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy((blocks[..., 2:].copy().view(np.int8).astype(np.float32) * scale).reshape(raw.shape[0], -1))
 
 
-def _int8_rows(f, kind: str, offset: int, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_rows(f, ggml_type: int, offset: int, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
     """An F32 / F16 / Q8_0 matrix rounded to int8 per row, :data:`_ROWS_AT_A_TIME` rows at a time."""
-    width = columns // GROUP_SIZE * _WIDE_BLOCK_BYTES[kind]
+    kind, block_bytes = _WIDE_TYPES[ggml_type]
+    width = columns // GROUP_SIZE * block_bytes
     codes, scale = torch.empty(rows, columns, dtype=torch.int8), torch.empty(rows)
     for start in range(0, rows, _ROWS_AT_A_TIME):
         count = min(_ROWS_AT_A_TIME, rows - start)
@@ -138,7 +138,7 @@ def quantized_layers(gguf: Path, config, dtype: torch.dtype) -> dict[str, torch.
             (columns, *rest), parts = dims, name.split(".")
             rows = rest[0] if rest else 1
             if name in ("token_embd.weight", "output.weight") and kind in _WIDE_TYPES and columns % GROUP_SIZE == 0:
-                codes, scale = _int8_rows(f, _WIDE_TYPES[kind], offset, rows, columns)
+                codes, scale = _int8_rows(f, kind, offset, rows, columns)
                 if name == "output.weight":
                     layers["lm_head"] = Int8Linear(codes, scale, None, dtype)
                 else:

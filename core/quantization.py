@@ -190,7 +190,6 @@ def quantize_target(path: Path, mode: str, dtype: torch.dtype, device: torch.dev
     if model is None:
         model, read = load_causal_lm(path, dtype, device), None
     blocks = quantized_layers(gguf, model.config, dtype) if mode == "int4" and gguf is not None else {}
-    release_freed_memory()
     quantize_model(model, mode, dtype, blocks, read)
     release_freed_memory()
     return model.eval()
@@ -260,7 +259,8 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict
             continue
         bias = None if module.bias is None else read(module.bias)
         if name in blocks or (module is head and tied and file_embedding is not None):
-            new = blocks.get(name) or Int8Linear(file_embedding.codes, file_embedding.scale, None, dtype)
+            new = (blocks[name] if name in blocks
+                   else Int8Linear(file_embedding.codes, file_embedding.scale, None, dtype))
             if bias is not None:
                 new.register_buffer("bias", bias.to(dtype))
             counts["from_file"] += 1

@@ -73,7 +73,7 @@ def _compiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     :data:`compiled_step`; it writes the cache (not an input either) as the eager path does.
     Defined through ``torch.library.Library`` rather than ``torch.library.custom_op``, whose
     Python wrapper layers cost ~9 us more a call on this CPU (``scripts/bench_op_call.py``;
-    30 calls a step: ~0.3 ms of an int4 compiled decode step's ~17)."""
+    30 calls a step: ~0.3 ms of a 12-17 ms int4 compiled decode step)."""
     meta = getattr(compiled_step, "meta", None)
     if meta is None:
         raise RuntimeError("the specdec attention runs only inside a specdec engine step")
