@@ -45,6 +45,27 @@ def test_the_compiled_forward_gives_the_eager_logits_and_hidden_states(tiny_mode
             torch.testing.assert_close(compiled_states[layer], state, atol=1e-4, rtol=1e-4)
 
 
+def test_the_one_token_graph_traces_its_attention_and_the_other_calls_the_operator(tiny_models):
+    """A decode step's attention is part of the compiled graph (no call of the opaque
+    operator); a step of several tokens calls the operator once per layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    target = TargetModel(load_causal_lm(tiny_models["llama"], torch.float32, torch.device("cpu")), None, "tiny")
+    target.compile()
+    _forwards(target)  # compiles both graphs
+    calls = {}
+    for start, count in ((12, 1), (13, 5)):
+        cache = PagedKVCache(target.layer_shapes, 4, 16, target.dtype, target.device)
+        positions = torch.arange(start, start + count)
+        layout = AttentionLayout([SequenceSlice(block_table=[0, 1], start=start, positions=positions)], 16,
+                                 target.device)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            target.forward(torch.arange(count), positions, ForwardMetadata(cache=cache, layout=layout),
+                           torch.tensor([count - 1]))
+        calls[count] = sum(e.count for e in prof.key_averages() if e.key == "specdec::paged_attention")
+    assert calls == {1: 0, 5: target.num_layers}
+
+
 def test_two_graphs_compile_when_the_engine_starts_and_none_while_it_serves(tiny_models):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (1, 7, 30)]

@@ -33,16 +33,9 @@ def paged_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_poo
     k = key_pool.index_select(0, layout.context_slots).transpose(0, 1)
     v = value_pool.index_select(0, layout.context_slots).transpose(0, 1)
     mask = layout.window_mask(sliding_window) if sliding_window else layout.dense_mask
-    heads, tokens = query.shape[0], query.shape[1]
-    kv_heads = k.shape[0]
-    rep = heads // kv_heads
     if softcap is None:
-        # Fold the query heads that share a KV head into its rows: [kv_heads, rep * T, dim].
-        # On CPU this is ~4x faster than SDPA's enable_gqa path, and exact.
-        q = query.reshape(kv_heads, rep * tokens, query.shape[-1])
-        m = None if mask is None else mask.repeat(rep, 1)[None, None]
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=m, scale=scale)[0]
-        return out.reshape(heads, tokens, -1).transpose(0, 1)
+        return grouped_attention(query, k, v, mask, scale)
+    rep = query.shape[0] // k.shape[0]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=0)
         v = v.repeat_interleave(rep, dim=0)
@@ -52,6 +45,21 @@ def paged_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_poo
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1)
+
+
+def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """``[heads, T, dim]`` queries over one sequence's (or a packed batch's) ``[kv_heads, S,
+    dim]`` keys and values, ``mask [T, S]`` or None; ``[T, heads, value_dim]``. The query
+    heads that share a KV head are folded into its rows (``[kv_heads, rep * T, dim]``): on
+    the CPU ~4x faster than SDPA's ``enable_gqa`` path, and exact."""
+    heads, tokens = query.shape[0], query.shape[1]
+    kv_heads = keys.shape[0]
+    rep = heads // kv_heads
+    q = query.reshape(kv_heads, rep * tokens, query.shape[-1])
+    m = None if mask is None else mask.repeat(rep, 1)[None, None]
+    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=m, scale=scale)[0]
+    return out.reshape(heads, tokens, -1).transpose(0, 1)
 
 
 def _padded_attention(query, key_pool, value_pool, layout: AttentionLayout, scale: float) -> torch.Tensor:
