@@ -18,8 +18,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..kernels import (AttentionLayout, grouped_attention, invariant_attention, make_linear_invariant, paged_attention,
-                       prepack_linear, restore_linear)
+from ..kernels import (AttentionLayout, gather_context, grouped_attention, invariant_attention, make_linear_invariant,
+                       paged_attention, prepack_linear, restore_linear)
 from ..kvcache import PagedKVCache
 
 ATTENTION_NAME = "specdec_paged"
@@ -58,8 +58,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         layer = module.layer_idx
         keys, values = specdec_decode.keys[layer], specdec_decode.values[layer]
         _write_kv(keys, values, specdec_decode.slot, key, value)
-        k = keys.index_select(0, specdec_decode.context).transpose(0, 1)
-        v = values.index_select(0, specdec_decode.context).transpose(0, 1)
+        k, v = gather_context(keys, values, specdec_decode.context)
         return grouped_attention(query[0], k, v, None, scale).unsqueeze(0), None
     if specdec is None:  # a compiled target forward: the step's metadata waits in compiled_step
         return torch.ops.specdec.paged_attention(query, key, value, module.layer_idx, scale, sliding_window,

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .attention import grouped_attention, paged_attention_torch
+from .attention import gather_context, grouped_attention, paged_attention_torch
 from .invariant import invariant_attention_torch, make_linear_invariant, restore_linear
 from .kv_copy import copy_kv_slots_torch
 from .layout import AttentionLayout, SequenceSlice
@@ -107,6 +107,6 @@ def chain_rejection(p, *args):
     return _dispatch("chain_rejection_triton", p, chain_rejection_torch, p, *args)
 
 
-__all__ = ["AttentionLayout", "KernelError", "SequenceSlice", "chain_rejection", "copy_kv_slots", "greedy_tree_verify",
-           "grouped_attention", "invariant_attention", "make_linear_invariant", "paged_attention", "prepack_linear",
-           "prepack_linears", "restore_linear", "use_triton"]
+__all__ = ["AttentionLayout", "KernelError", "SequenceSlice", "chain_rejection", "copy_kv_slots", "gather_context",
+           "greedy_tree_verify", "grouped_attention", "invariant_attention", "make_linear_invariant", "paged_attention",
+           "prepack_linear", "prepack_linears", "restore_linear", "use_triton"]

@@ -30,8 +30,7 @@ def paged_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_poo
     """
     if len(layout.seqs) > 1 and not layout.has_pending and sliding_window is None and softcap is None:
         return _padded_attention(query, key_pool, value_pool, layout, scale)
-    k = key_pool.index_select(0, layout.context_slots).transpose(0, 1)
-    v = value_pool.index_select(0, layout.context_slots).transpose(0, 1)
+    k, v = gather_context(key_pool, value_pool, layout.context_slots)
     mask = layout.window_mask(sliding_window) if sliding_window else layout.dense_mask
     if softcap is None:
         return grouped_attention(query, k, v, mask, scale)
@@ -45,6 +44,12 @@ def paged_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_poo
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1)
+
+
+def gather_context(key_pool: torch.Tensor, value_pool: torch.Tensor,
+                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of ``slots`` (``[S]``) from one layer's pools, ``[kv_heads, S, dim]`` each."""
+    return key_pool.index_select(0, slots).transpose(0, 1), value_pool.index_select(0, slots).transpose(0, 1)
 
 
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
