@@ -177,8 +177,8 @@ class EngineConfig:
             in memory (the originals stay for drafters). No effect on other dtypes and devices.
         compile: run the target's forward through ``torch.compile`` (inductor; on the CPU
             with frozen weights, which inductor packs itself, so ``prepack_weights`` does not
-            apply): the work between the matrix products is fused. Two graphs are compiled
-            when the engine starts (about 1.5 minutes for the embedded model on a 2-core
+            apply): the work between the matrix products is fused. Three graphs are compiled
+            when the engine starts (about 2 minutes for the embedded model on a 2-core
             CPU); then a decode step costs 18-55% less, plain decoding ran 1.23x faster in
             bfloat16 and 1.36x in int4, for +374 MiB of memory (BENCHMARKS.md, "Compiled
             target forward"). Not with ``batch_invariant``. Off by default.

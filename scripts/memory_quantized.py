@@ -3,7 +3,7 @@ its own process: after the imports, after building ``LLM`` (peak and steady) and
 32-token answer, with a 16 MiB KV cache so the weights dominate (BENCHMARKS.md,
 "Quantized targets"). ``bfloat16-stock`` is bfloat16 with ``engine.prepack_weights`` off
 (no second, oneDNN-packed copy of the linear weights); a ``-compiled`` suffix turns
-``engine.compile`` on (its two graphs compile while ``LLM`` is built).
+``engine.compile`` on (its graphs compile while ``LLM`` is built).
 
     .venv/bin/python scripts/memory_quantized.py [MODE ...]   (default: bfloat16 bfloat16-stock int8 int4)
 """

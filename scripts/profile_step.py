@@ -140,7 +140,7 @@ def main() -> None:
     p.add_argument("--against-stock", action="store_true",
                    help="with --batch-invariant --curve: also time the stock numerics, interleaved, and print "
                         "the mode's cost per shape")
-    p.add_argument("--compile", action="store_true", help="engine.compile on (the two graphs compile first)")
+    p.add_argument("--compile", action="store_true", help="engine.compile on (the graphs compile first)")
     p.add_argument("--top", type=int, default=0, help="also print the N operations that took most time")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=30)

@@ -1,5 +1,5 @@
 """The compiled target forward (``engine.compile``): the eager forward's logits and hidden
-states, two graphs compiled when the engine starts and none while it serves, drafts as
+states, three graphs compiled when the engine starts and none while it serves, drafts as
 lossless as without it, on plain and int4 targets."""
 
 import pytest
@@ -15,14 +15,18 @@ from specdec.models import load_causal_lm
 
 
 def _forwards(target: TargetModel) -> list[tuple[torch.Tensor, dict]]:
-    """A 12-token prompt, a decode and a 5-token chain: logits and captured hidden states."""
+    """A 12-token prompt, a decode, a 5-token chain and a 4-node tree (a root and three
+    children): logits and captured hidden states."""
     cache = PagedKVCache(target.layer_shapes, 4, 16, target.dtype, target.device)
-    ids = torch.arange(3, 23) % 100
+    ids = torch.arange(3, 25) % 100
+    tree = torch.eye(4, dtype=torch.bool)
+    tree[:, 0] = True
     out = []
-    for start, count, rows in ((0, 12, [11]), (12, 1, [0]), (13, 5, [0, 1, 2, 3, 4])):
-        positions = torch.arange(start, start + count)
-        layout = AttentionLayout([SequenceSlice(block_table=[0, 1], start=start, positions=positions)], 16,
-                                 target.device)
+    for start, count, rows, mask in ((0, 12, [11], None), (12, 1, [0], None), (13, 5, [0, 1, 2, 3, 4], None),
+                                     (18, 4, [0, 1, 2, 3], tree)):
+        positions = torch.arange(start, start + count) if mask is None else start + (torch.arange(count) > 0)
+        layout = AttentionLayout([SequenceSlice(block_table=[0, 1], start=start, positions=positions,
+                                                tree_mask=mask)], 16, target.device)
         logits, captured = target.forward(ids[start:start + count], positions,
                                           ForwardMetadata(cache=cache, layout=layout), torch.tensor(rows))
         out.append((logits, dict(captured)))
@@ -45,38 +49,45 @@ def test_the_compiled_forward_gives_the_eager_logits_and_hidden_states(tiny_mode
             torch.testing.assert_close(compiled_states[layer], state, atol=1e-4, rtol=1e-4)
 
 
-def test_the_one_token_graph_traces_its_attention_and_the_other_calls_the_operator(tiny_models):
-    """A decode step's attention is part of the compiled graph (no call of the opaque
-    operator); a step of several tokens calls the operator once per layer."""
+def test_steps_of_one_sequence_trace_their_attention_and_batches_call_the_operator(tiny_models):
+    """The attention of a decode step and of a chain or tree of one sequence is part of
+    the compiled graph (no call of the opaque operator); a step of several sequences calls
+    the operator once per layer."""
     from torch.profiler import ProfilerActivity, profile
 
     target = TargetModel(load_causal_lm(tiny_models["llama"], torch.float32, torch.device("cpu")), None, "tiny")
     target.compile()
-    _forwards(target)  # compiles both graphs
+    tree = torch.eye(4, dtype=torch.bool)
+    tree[:, 0] = True
+    steps = {"decode": [(12, 1, None)], "chain": [(13, 5, None)], "tree": [(13, 4, tree)],
+             "batch": [(12, 1, None), (7, 2, None)]}
     calls = {}
-    for start, count in ((12, 1), (13, 5)):
-        cache = PagedKVCache(target.layer_shapes, 4, 16, target.dtype, target.device)
-        positions = torch.arange(start, start + count)
-        layout = AttentionLayout([SequenceSlice(block_table=[0, 1], start=start, positions=positions)], 16,
-                                 target.device)
+    for name, seqs in steps.items():
+        cache = PagedKVCache(target.layer_shapes, 4 * len(seqs), 16, target.dtype, target.device)
+        slices = [SequenceSlice(block_table=[2 * i, 2 * i + 1], start=start, tree_mask=mask,
+                                positions=torch.arange(start, start + count))
+                  for i, (start, count, mask) in enumerate(seqs)]
+        layout = AttentionLayout(slices, 16, target.device)
+        args = (torch.arange(layout.num_tokens), layout.query_positions, ForwardMetadata(cache=cache, layout=layout),
+                torch.tensor([layout.num_tokens - 1]))
+        target.forward(*args)  # compiles the step's graph
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            target.forward(torch.arange(count), positions, ForwardMetadata(cache=cache, layout=layout),
-                           torch.tensor([count - 1]))
-        calls[count] = sum(e.count for e in prof.key_averages() if e.key == "specdec::paged_attention")
-    assert calls == {1: 0, 5: target.num_layers}
+            target.forward(*args)
+        calls[name] = sum(e.count for e in prof.key_averages() if e.key == "specdec::paged_attention")
+    assert calls == {"decode": 0, "chain": 0, "tree": 0, "batch": target.num_layers}
 
 
-def test_two_graphs_compile_when_the_engine_starts_and_none_while_it_serves(tiny_models):
+def test_three_graphs_compile_when_the_engine_starts_and_none_while_it_serves(tiny_models):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (1, 7, 30)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     eager = LLM(model=str(tiny_models["llama"]), dtype="float32").generate(prompts, params)
     before = counters["stats"]["unique_graphs"]
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32", engine={"compile": True})
-    assert counters["stats"]["unique_graphs"] - before == 2
+    assert counters["stats"]["unique_graphs"] - before == 3
     alone = [llm.generate([p], params)[0] for p in prompts]  # decode at batch 1: the one-token graph
     batched = llm.generate(prompts, params)
-    assert counters["stats"]["unique_graphs"] - before == 2
+    assert counters["stats"]["unique_graphs"] - before == 3
     for a, b, c in zip(eager, alone, batched):
         assert a.token_ids == b.token_ids == c.token_ids
 

@@ -132,16 +132,22 @@ class Engine:
         self._seeds = torch.Generator().manual_seed(seed)
 
     def _warm_up_compiled(self) -> None:
-        """Compile both graphs of the compiled target now, not on the first requests: one
-        token, then two, written into the first blocks (no request holds any yet)."""
+        """Compile the compiled target's graphs now, not on the first requests: one token of
+        one sequence, two tokens of one, then one token each of two sequences, written into
+        the first blocks (no request holds any yet)."""
         started = time.perf_counter()
-        table = list(range(min(2, self.kv.pool.num_blocks)))
-        for count in (1, 2)[:len(table) * self.kv.block_size]:
-            positions = torch.arange(count, device=self.target.device)
-            layout = AttentionLayout([SequenceSlice(block_table=table, start=0, positions=positions)],
-                                     self.kv.block_size, self.target.device)
-            self.target.forward(torch.zeros(count, dtype=torch.long, device=self.target.device), positions,
-                                ForwardMetadata(cache=self.kv.cache, layout=layout), positions[-1:])
+        blocks, size, device = self.kv.pool.num_blocks, self.kv.block_size, self.target.device
+        first = list(range(min(2, blocks)))
+        for step in ([(first, 1)], [(first, 2)], [([0], 1), ([1], 1)]):
+            if any(len(table) * size < count or max(table) >= blocks for table, count in step):
+                continue
+            layout = AttentionLayout([SequenceSlice(block_table=table, start=0,
+                                                    positions=torch.arange(count, device=device))
+                                      for table, count in step], size, device)
+            tokens = layout.num_tokens
+            self.target.forward(torch.zeros(tokens, dtype=torch.long, device=device), layout.query_positions,
+                                ForwardMetadata(cache=self.kv.cache, layout=layout),
+                                torch.tensor([tokens - 1], device=device))
         log.info("engine.compile: the target's graphs compiled in %.0f s", time.perf_counter() - started)
 
     # -- requests -------------------------------------------------------------------

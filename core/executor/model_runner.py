@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..kernels import (AttentionLayout, gather_context, grouped_attention, invariant_attention, make_linear_invariant,
-                       paged_attention, prepack_linear, restore_linear)
+                       paged_attention, prepack_linear, restore_linear, use_triton)
 from ..kvcache import PagedKVCache
 
 ATTENTION_NAME = "specdec_paged"
@@ -37,29 +37,31 @@ class ForwardMetadata:
     batch_invariant: bool = False
 
 
-class DecodeKV(NamedTuple):
-    """A one-token step's cache as tensors, so that the compiled one-token graph traces its
-    attention (the K/V writes, the gathers and the product fused around one SDPA call)
-    instead of calling the opaque operator, whose Python and four dispatches per layer cost
-    more than the attention itself at a decode step. ``keys``/``values``: every layer's pool;
-    ``slot [1]`` where the new token's K/V go; ``context [S]`` the sequence's slots."""
+class SequenceKV(NamedTuple):
+    """One sequence's step and its cache as tensors, so that a compiled graph traces its
+    attention (the K/V writes, the context gather and one SDPA call a layer, fused by
+    inductor) instead of calling the opaque operator, whose Python and four dispatches per
+    layer cost more than the attention itself at a decode or a chain verification.
+    ``keys``/``values``: every layer's pool; ``slots [T]`` where the new tokens' K/V go;
+    ``context [S]`` the sequence's slots, new ones included; ``mask [T, S]`` which of them
+    each new token sees (None for one token, which sees them all)."""
 
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
-    slot: torch.Tensor
+    slots: torch.Tensor
     context: torch.Tensor
+    mask: torch.Tensor | None
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                             specdec: ForwardMetadata | None = None, specdec_decode: DecodeKV | None = None,
+                             specdec: ForwardMetadata | None = None, specdec_sequence: SequenceKV | None = None,
                              sliding_window=None, softcap=None, **kwargs):
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if specdec_decode is not None and sliding_window is None and softcap is None:
-        layer = module.layer_idx
-        keys, values = specdec_decode.keys[layer], specdec_decode.values[layer]
-        _write_kv(keys, values, specdec_decode.slot, key, value)
-        k, v = gather_context(keys, values, specdec_decode.context)
-        return grouped_attention(query[0], k, v, None, scale).unsqueeze(0), None
+    if specdec_sequence is not None and sliding_window is None and softcap is None:
+        layer, step = module.layer_idx, specdec_sequence
+        _write_kv(step.keys[layer], step.values[layer], step.slots, key, value)
+        k, v = gather_context(step.keys[layer], step.values[layer], step.context)
+        return grouped_attention(query[0], k, v, step.mask, scale).unsqueeze(0), None
     if specdec is None:  # a compiled target forward: the step's metadata waits in compiled_step
         return torch.ops.specdec.paged_attention(query, key, value, module.layer_idx, scale, sliding_window,
                                                  softcap), None
@@ -273,18 +275,22 @@ class TargetModel:
         rotary embeddings, activations, residuals: on the CPU a third of a decode step goes
         to dispatching them) and, on the CPU, freezes the weights and packs them for oneDNN
         itself, so the linear layers must be stock (``set_linear_forwards(False, False)``);
-        products that share an input (q/k/v, gate/up) become one. Two graphs, each
-        compiled on its first call: one token (a decode at batch 1), whose attention is
-        traced into the graph (:class:`DecodeKV`), and any count from two, with at least
-        two logits rows (one row is asked as two), whose attention is one opaque operator
-        (``torch.ops.specdec.paged_attention``: batches, trees and prompt chunks need the
-        step's layout in Python), as is any layer with a sliding window or soft-capping.
+        products that share an input (q/k/v, gate/up) become one. Three graphs, each
+        compiled on its first call: one token of one sequence (a decode at batch 1) and
+        two or more tokens of one sequence (a prompt chunk, a draft chain or tree at batch
+        1), whose attention is traced into the graph (:class:`SequenceKV`), and two or more
+        tokens of several sequences, whose attention is one opaque operator
+        (``torch.ops.specdec.paged_attention``: a batch's layout is Python), as is any
+        layer with a sliding window or soft-capping. A graph of two or more tokens keeps at
+        least two logits rows (one row is asked as two). Where the paged attention runs a
+        Triton kernel (CUDA), several tokens of one sequence take the operator too.
         """
         model = self.model
+        self._trace_sequences = not use_triton(torch.empty(0, device=self.device), "paged_attention_triton")
 
-        def logits(input_ids, position_ids, rows, decode):
+        def logits(input_ids, position_ids, rows, sequence):
             return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows,
-                         specdec_decode=decode).logits
+                         specdec_sequence=sequence).logits
 
         # Dynamo keeps graphs per code object: one of this target's own, since its graphs
         # are not guarded on the modules (those checks took 1-1.5 ms a call; the engine never
@@ -313,18 +319,14 @@ class TargetModel:
         count = len(rows)
         # Inference-mode copies: the graphs' guards tell them from tensors made outside it.
         ids, positions, rows = ids.clone(), positions.clone(), rows.repeat(2 if count == 1 and ids.shape[1] > 1 else 1)
-        decode = None
+        sequence = None
         if ids.shape[1] > 1:
             for tensor, dim in ((ids, 1), (positions, 1), (rows, 0)):
                 torch._dynamo.mark_dynamic(tensor, dim)
+            if self._trace_sequences and len(meta.layout.seqs) == 1:
+                sequence = self._sequence_kv(meta, meta.layout.dense_mask)
         else:
-            # A context of one slot (a one-token prompt) is given twice, or the graph would be
-            # specialised to it: two equal scores weigh the value 1/2 + 1/2, exactly.
-            context = meta.layout.context_slots
-            context = context.repeat(2) if len(context) == 1 else context.clone()
-            torch._dynamo.mark_dynamic(context, 0)
-            decode = DecodeKV(tuple(meta.cache.keys), tuple(meta.cache.values), meta.layout.slot_mapping.clone(),
-                              context)
+            sequence = self._sequence_kv(meta, None)
         compiled_step.meta = meta
         try:
             # Set for the call, where compiling happens (freezing passed as an option of
@@ -338,6 +340,20 @@ class TargetModel:
             with torch._inductor.config.patch({"freezing": self.device.type == "cpu", "size_asserts": False,
                                                "alignment_asserts": False, "scalar_asserts": False,
                                                "cpp.enable_concat_linear": True}):
-                return self._compiled(ids, positions, rows, decode)[0, :count].float()
+                return self._compiled(ids, positions, rows, sequence)[0, :count].float()
         finally:
             compiled_step.meta = None
+
+    @staticmethod
+    def _sequence_kv(meta: ForwardMetadata, mask: torch.Tensor | None) -> SequenceKV:
+        """The one sequence of ``meta``'s step as graph inputs, its sizes dynamic. A context
+        of one slot (a one-token prompt) is given twice, or the one-token graph would be
+        specialised to it: two equal scores weigh the value 1/2 + 1/2, exactly."""
+        slots, context = meta.layout.slot_mapping.clone(), meta.layout.context_slots
+        context = context.repeat(2) if len(context) == 1 else context.clone()
+        torch._dynamo.mark_dynamic(context, 0)
+        if mask is not None:
+            mask = mask.clone()
+            for tensor, dim in ((slots, 0), (mask, 0), (mask, 1)):
+                torch._dynamo.mark_dynamic(tensor, dim)
+        return SequenceKV(tuple(meta.cache.keys), tuple(meta.cache.values), slots, context, mask)
