@@ -319,14 +319,11 @@ class TargetModel:
         count = len(rows)
         # Inference-mode copies: the graphs' guards tell them from tensors made outside it.
         ids, positions, rows = ids.clone(), positions.clone(), rows.repeat(2 if count == 1 and ids.shape[1] > 1 else 1)
-        sequence = None
         if ids.shape[1] > 1:
             for tensor, dim in ((ids, 1), (positions, 1), (rows, 0)):
                 torch._dynamo.mark_dynamic(tensor, dim)
-            if self._trace_sequences and len(meta.layout.seqs) == 1:
-                sequence = self._sequence_kv(meta, meta.layout.dense_mask)
-        else:
-            sequence = self._sequence_kv(meta, None)
+        traced = ids.shape[1] == 1 or (self._trace_sequences and len(meta.layout.seqs) == 1)
+        sequence = self._sequence_kv(meta) if traced else None
         compiled_step.meta = meta
         try:
             # Set for the call, where compiling happens (freezing passed as an option of
@@ -345,11 +342,12 @@ class TargetModel:
             compiled_step.meta = None
 
     @staticmethod
-    def _sequence_kv(meta: ForwardMetadata, mask: torch.Tensor | None) -> SequenceKV:
-        """The one sequence of ``meta``'s step as graph inputs, its sizes dynamic. A context
-        of one slot (a one-token prompt) is given twice, or the one-token graph would be
-        specialised to it: two equal scores weigh the value 1/2 + 1/2, exactly."""
-        slots, context = meta.layout.slot_mapping.clone(), meta.layout.context_slots
+    def _sequence_kv(meta: ForwardMetadata) -> SequenceKV:
+        """The one sequence of ``meta``'s step as graph inputs, its sizes dynamic (no mask
+        for one token). A context of one slot (a one-token prompt) is given twice, or the
+        one-token graph would be specialised to it: two equal scores weigh the value
+        1/2 + 1/2, exactly."""
+        slots, context, mask = meta.layout.slot_mapping.clone(), meta.layout.context_slots, meta.layout.dense_mask
         context = context.repeat(2) if len(context) == 1 else context.clone()
         torch._dynamo.mark_dynamic(context, 0)
         if mask is not None:
