@@ -19,6 +19,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 
 from .errors import ConfigError, FieldError, PluginError
 from .sampling_params import SamplingParams
+from .tree import StaticTree
 
 
 def in_range(lo: float | None = None, hi: float | None = None):
@@ -140,6 +141,45 @@ class SpeculativeConfig:
         """(depth, nodes) a request may draft with ``batch_size`` requests running."""
         depth = self.draft_len_for_batch(batch_size)
         return depth, self.nodes_for_depth(depth)
+
+
+#: Nodes of a dynamic tree when ``max_total_draft_tokens`` is not given.
+DYNAMIC_TREE_NODES = 16
+
+
+@attrs.frozen(kw_only=True)
+class TreeDraftConfig(SpeculativeConfig):
+    """Options of the drafters that grow their draft a level at a time from their own
+    logits, one batched draft forward per level (EAGLE, MTP:
+    :class:`specdec.feature_drafter.FeatureDrafter`): a chain of argmax tokens by default,
+    a static tree where the method has a choice list (:meth:`static_tree_choices`), or an
+    EAGLE-2 dynamic tree.
+
+    Attributes:
+        use_dynamic_tree: each level expands the ``dynamic_tree_max_topK`` best frontier
+            nodes (by cumulative log-probability) into their as many best children; after
+            ``max_draft_len`` levels the ``max_total_draft_tokens`` (default 16) best nodes
+            are verified.
+        dynamic_tree_max_topK: children per expanded node and nodes expanded per level.
+    """
+
+    use_dynamic_tree: bool = False
+    dynamic_tree_max_topK: int = attrs.field(default=4, validator=in_range(1, 64))  # noqa: N815
+
+    def static_tree_choices(self) -> list[list[int]] | None:
+        """The method's static tree in TensorRT-LLM's notation (EAGLE's ``eagle_choices``),
+        None for none."""
+        return None
+
+    def node_budget(self) -> int:
+        if self.max_total_draft_tokens:
+            return self.max_total_draft_tokens
+        choices = self.static_tree_choices()
+        if choices:
+            return StaticTree.from_choices(choices).num_nodes
+        if self.use_dynamic_tree:
+            return max(DYNAMIC_TREE_NODES, self.max_draft_len)
+        return self.max_draft_len
 
 
 #: ``engine.quantization`` values (:mod:`specdec.quantization`).

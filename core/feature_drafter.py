@@ -11,22 +11,26 @@ since their features are the draft's own guesses, not the target's.
 
 A subclass builds its module, calls :meth:`FeatureDrafter.start_runner`, and implements
 :meth:`~FeatureDrafter.draft_forward` and :meth:`~FeatureDrafter.head_logits`; it may
-override :meth:`~FeatureDrafter.fuse` and :meth:`~FeatureDrafter.expansion` (chains by
-default). Drafting is one batched forward per depth for all requests together.
+override :meth:`~FeatureDrafter.fuse` and :meth:`~FeatureDrafter.expansion` (chains, or
+the trees of :class:`~specdec.config.TreeDraftConfig` when the method's config derives
+from it). Drafting is one batched forward per depth for all requests together.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import ClassVar
 
 import attrs
 import torch
 
+from .config import TreeDraftConfig
 from .draft_runner import DraftInput, DraftRunner
 from .drafting import Drafter, DraftProposal
 from .hookspecs import hookimpl
-from .tree_expansion import ChainExpansion, Expansion
+from .tree import StaticTree
+from .tree_expansion import ChainExpansion, DynamicExpansion, Expansion, StaticExpansion
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +76,21 @@ class FeatureDrafter(Drafter):
         return target_hidden[0]
 
     def expansion(self, request, depth: int, nodes: int) -> Expansion:
-        """How this request's draft grows this step (at most ``depth`` levels, ``nodes`` nodes)."""
+        """How this request's draft grows this step (at most ``depth`` levels, ``nodes``
+        nodes): as the config's :class:`~specdec.config.TreeDraftConfig` options say, a
+        chain where it has none."""
+        config = self.config
+        if isinstance(config, TreeDraftConfig):
+            if config.use_dynamic_tree:
+                return DynamicExpansion(config.dynamic_tree_max_topK, depth, nodes)
+            if self.static_tree is not None:
+                return StaticExpansion(self.static_tree.trimmed(depth, nodes))
         return ChainExpansion(min(depth, nodes), request)
+
+    @functools.cached_property
+    def static_tree(self) -> StaticTree | None:
+        choices = self.config.static_tree_choices() if isinstance(self.config, TreeDraftConfig) else None
+        return StaticTree.from_choices(choices) if choices else None
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 draft logits over the target's vocabulary (-inf outside the draft vocabulary)."""

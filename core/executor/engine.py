@@ -27,7 +27,7 @@ import torch
 from ..config import EngineConfig, SpeculativeConfig
 from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..errors import RequestError
-from ..kernels import AttentionLayout, SequenceSlice, use_triton
+from ..kernels import AttentionLayout, SequenceSlice, paged_attention_is_triton
 from ..kvcache import HiddenStateCache, KVCacheManager, PagedKVCache
 from ..sampler import (Verdict, apply_repetition_penalty, probs_from_logits, verify_greedy, verify_greedy_batch,
                        verify_sampled)
@@ -120,7 +120,7 @@ class Engine:
             target.compile()
             self._warm_up_compiled()
         # the torch reference pads a batch's sequences to the widest; the paged kernel does not
-        self._padded_attention = not use_triton(torch.empty(0, device=target.device), "paged_attention_triton")
+        self._padded_attention = not paged_attention_is_triton(target.device)
         # the batch-invariant torch attention runs a step's draft trees as a batch of their own
         self._tree_batch = self._padded_attention and config.batch_invariant
         self._warned: set[str] = set()

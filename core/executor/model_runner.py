@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..kernels import (AttentionLayout, gather_context, grouped_attention, invariant_attention, make_linear_invariant,
-                       paged_attention, prepack_linear, restore_linear, use_triton)
+                       paged_attention, paged_attention_is_triton, prepack_linear, restore_linear)
 from ..kvcache import PagedKVCache
 
 ATTENTION_NAME = "specdec_paged"
@@ -286,7 +286,7 @@ class TargetModel:
         Triton kernel (CUDA), several tokens of one sequence take the operator too.
         """
         model = self.model
-        self._trace_sequences = not use_triton(torch.empty(0, device=self.device), "paged_attention_triton")
+        self._trace_sequences = not paged_attention_is_triton(self.device)
 
         def logits(input_ids, position_ids, rows, sequence):
             return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows,

@@ -62,6 +62,12 @@ def _dispatch(name: str, tensor: torch.Tensor, reference, *args):
     return reference(*args)
 
 
+def paged_attention_is_triton(device: torch.device | str) -> bool:
+    """Whether :func:`paged_attention` runs the Triton kernel on ``device`` (else the torch
+    reference, which pads sequences of similar width into groups)."""
+    return use_triton(torch.empty(0, device=device), "paged_attention_triton")
+
+
 def paged_attention(query, key_pool, value_pool, layout: AttentionLayout, scale, sliding_window=None, softcap=None):
     if layout.has_pending:  # draft-tree levels: only the reference reads pending masks
         return paged_attention_torch(query, key_pool, value_pool, layout, scale, sliding_window, softcap)
@@ -109,4 +115,5 @@ def chain_rejection(p, *args):
 
 __all__ = ["AttentionLayout", "KernelError", "SequenceSlice", "chain_rejection", "copy_kv_slots", "gather_context",
            "greedy_tree_verify", "grouped_attention", "invariant_attention", "make_linear_invariant", "paged_attention",
+           "paged_attention_is_triton",
            "prepack_linear", "prepack_linears", "restore_linear", "use_triton"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import attrs
 
 from specdec import DecodingType, hookimpl
-from specdec.config import SpeculativeConfig, in_range
+from specdec.config import TreeDraftConfig, in_range
 from specdec.errors import FieldError
 from specdec.tree import StaticTree
 
@@ -35,17 +35,12 @@ from .checkpoint import SHIPPED_HEADS, load_head, save_head
 from .drafter import Eagle3Drafter, EagleDrafter
 from .trainer import Eagle3Trainer, EagleTrainer
 
-#: Node budget of a dynamic tree when max_total_draft_tokens is not given.
-DYNAMIC_TREE_NODES = 16
-
 
 @attrs.frozen(kw_only=True)
-class EagleConfig(SpeculativeConfig):
+class EagleConfig(TreeDraftConfig):
     max_draft_len: int = attrs.field(default=3, validator=in_range(1, 64))
     speculative_model: str | None = None
     eagle_choices: list[list[int]] | None = attrs.field(default=None)
-    use_dynamic_tree: bool = False
-    dynamic_tree_max_topK: int = attrs.field(default=4, validator=in_range(1, 64))  # noqa: N815
     draft_kv_cache_blocks: int = attrs.field(default=1024, validator=in_range(1, None))
 
     @eagle_choices.validator
@@ -56,14 +51,8 @@ class EagleConfig(SpeculativeConfig):
             raise FieldError(attribute.name, "a static tree and use_dynamic_tree exclude each other; give one")
         StaticTree.from_config(value, self.max_draft_len, attribute.name)
 
-    def node_budget(self) -> int:
-        if self.max_total_draft_tokens:
-            return self.max_total_draft_tokens
-        if self.eagle_choices:
-            return StaticTree.from_choices(self.eagle_choices).num_nodes
-        if self.use_dynamic_tree:
-            return max(DYNAMIC_TREE_NODES, self.max_draft_len)
-        return self.max_draft_len
+    def static_tree_choices(self):
+        return self.eagle_choices
 
 
 @attrs.frozen(kw_only=True)

@@ -8,8 +8,6 @@ from specdec.draft_checkpoint import drafter_directory, restricted_head
 from specdec.draft_runner import draft_attention
 from specdec.errors import FieldError
 from specdec.feature_drafter import FeatureDrafter
-from specdec.tree import StaticTree
-from specdec.tree_expansion import DynamicExpansion, StaticExpansion
 
 from .checkpoint import SHIPPED_HEADS, load_head
 
@@ -36,7 +34,6 @@ class EagleDrafter(FeatureDrafter):
             head.lm_head, head.draft_to_target = restricted_head(parts.lm_head, directory, target.vocab_size)
         self.head = head.to_serving(target.device, target.dtype).eval()
         self.draft_to_target = head.draft_to_target
-        self.tree = StaticTree.from_choices(config.eagle_choices) if config.eagle_choices else None
         self._scale = head.layer.self_attn.head_dim ** -0.5
         self.start_runner(head.config.hidden_size, config.draft_kv_cache_blocks)
 
@@ -50,14 +47,6 @@ class EagleDrafter(FeatureDrafter):
 
     def fuse(self, target_hidden):
         return self.head.fuse(target_hidden)
-
-    def expansion(self, request, depth, nodes):
-        config = self.config
-        if config.use_dynamic_tree:
-            return DynamicExpansion(config.dynamic_tree_max_topK, depth, nodes)
-        if self.tree is not None:
-            return StaticExpansion(self.tree.trimmed(depth, nodes))
-        return super().expansion(request, depth, nodes)
 
 
 class Eagle3Drafter(EagleDrafter):

@@ -1,5 +1,6 @@
 """DeepSeek-style multi-token prediction (``mtp``): an MTP module over the target's last
-state drafts a chain, reused autoregressively up to ``max_draft_len``.
+state drafts a chain, reused autoregressively up to ``max_draft_len``, or an EAGLE-2
+dynamic tree (as SGLang drafts DeepSeek's MTP with its EAGLE worker's top-k).
 
 Options (defaults in brackets; TensorRT-LLM's names):
     speculative_model [the target's own MTP layers when its config declares them
@@ -8,6 +9,10 @@ Options (defaults in brackets; TensorRT-LLM's names):
         Alias: speculative_model_dir.
     max_draft_len [3]: draft depth; one module drafts every depth, each step reading the
         state the step before produced.
+    use_dynamic_tree [false], dynamic_tree_max_topK [4]: each level expands the topK best
+        frontier nodes into their topK best children; after max_draft_len levels the
+        max_total_draft_tokens [16] best nodes by cumulative log-probability are verified
+        (:class:`specdec.config.TreeDraftConfig`).
     num_nextn_predict_layers [1]: modules used from the checkpoint. specdec drafts with
         the first (as SGLang does for DeepSeek); more would need a draft cache per module.
     draft_kv_cache_blocks [1024]: the module's KV pool, in blocks of 16 tokens.
@@ -20,7 +25,8 @@ Options (defaults in brackets; TensorRT-LLM's names):
         token every position counts as thinking. Outside it, verification is exact.
 
 Without relaxed acceptance, verification is lossless: greedy output equals the target's
-greedy output; sampled chains are drawn from the draft distribution (rejection sampling).
+greedy output; sampled chains are drawn from the draft distribution (rejection sampling),
+trees take the top-k tokens deterministically.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from __future__ import annotations
 import attrs
 
 from specdec import DecodingType, hookimpl
-from specdec.config import SpeculativeConfig, in_range
+from specdec.config import TreeDraftConfig, in_range
 from specdec.errors import FieldError
 from specdec.sampler.lossy import RelaxedAcceptance
 
@@ -42,7 +48,7 @@ THINKING_TOKENS = ("<think>", "</think>")
 
 
 @attrs.frozen(kw_only=True)
-class MTPConfig(SpeculativeConfig):
+class MTPConfig(TreeDraftConfig):
     max_draft_len: int = attrs.field(default=3, validator=in_range(1, 64))
     speculative_model: str | None = None
     num_nextn_predict_layers: int = attrs.field(default=1)
@@ -76,7 +82,7 @@ def register_decoding_types(register):
     register(DecodingType(name="mtp", aliases=("MTP",), config_class=MTPConfig, drafter_class=MTPDrafter,
                           trainer_class=MTPTrainer, lossy_options=("use_relaxed_acceptance_for_thinking",),
                           description="DeepSeek-V3 multi-token prediction module (the target's own MTP layers, "
-                                      "or one trained with `specdec train mtp`), reused for a chain"))
+                                      "or one trained with `specdec train mtp`), reused for a chain or a dynamic tree"))
 
 
 __all__ = ["SHIPPED_MODULE", "MTPConfig", "MTPDrafter", "MTPModule", "MTPTrainer", "build_module", "load_module",

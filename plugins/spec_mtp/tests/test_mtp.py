@@ -1,23 +1,34 @@
 """The module shipped for the embedded model: the default for mtp on it; greedy output
-identical to plain greedy in float32 with drafts accepted; sampled output follows the
-target's distribution."""
+identical to plain greedy in float32 with drafts accepted, as chains and as EAGLE-2 dynamic
+trees; sampled output follows the target's distribution."""
+
+import pytest
 
 from specdec import testing
 from specdec_mtp import SHIPPED_MODULE
 
-#: Acceptance length floor on the check prompts (measured 1.455 in float32 with 3 drafts every
-#: step; EAGLE-3's shipped head: 1.433; a module that predicts nothing: 1.0).
-MIN_LENGTH = 1.35
+#: A dynamic tree: depth 3, top-3 expansion, 10 nodes verified (benchmarks/mtp_tree.yaml).
+TREE = {"use_dynamic_tree": True, "dynamic_tree_max_topK": 3, "max_total_draft_tokens": 10}
 
 
-def test_shipped_module_is_lossless_and_accepted():
-    spec, _ = testing.check_shipped_drafter({"decoding_type": "mtp"}, MIN_LENGTH)
+@pytest.mark.parametrize("mode, min_length", [
+    # Acceptance length floors on the check prompts (a module that predicts nothing: 1.0)
+    ({}, 1.35),  # measured 1.524 in float32 with 3 drafts every step (1.455 before session 18's fine-tuning)
+    (TREE, 1.7),  # measured 1.846 (top-4, 16 nodes: 1.882)
+])
+def test_shipped_module_is_lossless_and_accepted(mode, min_length):
+    spec, _ = testing.check_shipped_drafter({"decoding_type": "mtp", **mode}, min_length)
     assert spec.drafter.directory == SHIPPED_MODULE and spec.config.speculative_config.max_draft_len == 3
+    got = spec.chat(testing.SHIPPED_CHECK_PROMPTS[:1], testing.SHIPPED_CHECK_PARAMS)[0].metrics
+    nodes_per_step = got.num_draft_tokens / got.drafted_at[0]
+    assert nodes_per_step > 3 if mode else nodes_per_step <= 3  # trees verify more nodes than their depth
 
 
-def test_sampled_output_follows_the_target():
+@pytest.mark.parametrize("mode", [{}, {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2,
+                                       "max_total_draft_tokens": 4}])
+def test_sampled_output_follows_the_target(mode):
     assert testing.check_shipped_sampling({"decoding_type": "mtp", "speculative_model": str(SHIPPED_MODULE),
-                                           "max_draft_len": 2}) > 0
+                                           "max_draft_len": 2, **mode}) > 0
 
 
 def test_a_prompt_found_in_the_prefix_cache_drafts_as_when_computed():

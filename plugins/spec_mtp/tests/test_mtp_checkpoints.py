@@ -56,6 +56,18 @@ def test_deepseek_v3_checkpoint_with_its_mtp_layer_loads_and_drafts_losslessly(t
                                state["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"])
 
 
+def test_deepseek_v3_mtp_layer_drafts_dynamic_trees_losslessly(tmp_path):
+    """The module's MLA attention under a draft tree mask (its top-2 children per level),
+    verified by the MLA target as a tree."""
+    model = _with_mtp_layer(tmp_path)
+    tree = {"use_dynamic_tree": True, "dynamic_tree_max_topK": 2, "max_total_draft_tokens": 5}
+    spec = testing.check_greedy_lossless({"decoding_type": "mtp", "max_draft_len": 3, **tree}, model=model,
+                                         prompts=PROMPTS, min_accepted=0)
+    metrics = [o.metrics for o in spec]
+    steps = sum(m.drafted_at[0] for m in metrics)
+    assert sum(m.num_draft_tokens for m in metrics) > 3 * steps > 0  # a chain verifies at most 3 nodes a step
+
+
 def test_separate_module_directory_for_a_model_without_mtp(tmp_path):
     from specdec_mtp.checkpoint import save_module
 
@@ -125,9 +137,17 @@ def test_module_that_does_not_fit_the_target_is_named(tmp_path, edit, message):
     ("relaxed_topk", 0, "speculative_config.relaxed_topk: must be between 1 and 64, got 0"),
     ("relaxed_delta", -0.1, "speculative_config.relaxed_delta: must be between 0.0 and 1.0, got -0.1"),
     ("num_nextn_predict_layers", 2, "speculative_config.num_nextn_predict_layers: got 2; specdec drafts with one"),
+    ("dynamic_tree_max_topK", 0, "speculative_config.dynamic_tree_max_topK: must be between 1 and 64, got 0"),
 ])
 def test_bad_options_name_their_path(option, value, message):
     from specdec.config import config_from_dict
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         config_from_dict({"speculative_config": {"decoding_type": "mtp", option: value}})
+
+
+def test_tree_options_survive_a_round_trip_and_size_the_node_budget():
+    config = testing.check_config_round_trip({"decoding_type": "mtp", "use_dynamic_tree": True,
+                                              "dynamic_tree_max_topK": 3})
+    assert config.node_budget() == 16  # a dynamic tree's default, as EAGLE's
+    assert testing.check_config_round_trip({"decoding_type": "mtp"}).node_budget() == 3  # a chain
