@@ -151,7 +151,7 @@ DYNAMIC_TREE_NODES = 16
 class TreeDraftConfig(SpeculativeConfig):
     """Options of the drafters that grow their draft a level at a time from their own
     logits, one batched draft forward per level (EAGLE, MTP:
-    :class:`specdec.feature_drafter.FeatureDrafter`): a chain of argmax tokens by default,
+    :class:`specdec.feature_drafter.FeatureDrafter`): a chain by default,
     a static tree where the method has a choice list (:meth:`static_tree_choices`), or an
     EAGLE-2 dynamic tree.
 

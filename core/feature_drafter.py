@@ -80,15 +80,15 @@ class FeatureDrafter(Drafter):
         nodes): as the config's :class:`~specdec.config.TreeDraftConfig` options say, a
         chain where it has none."""
         config = self.config
-        if isinstance(config, TreeDraftConfig):
-            if config.use_dynamic_tree:
-                return DynamicExpansion(config.dynamic_tree_max_topK, depth, nodes)
-            if self.static_tree is not None:
-                return StaticExpansion(self.static_tree.trimmed(depth, nodes))
+        if isinstance(config, TreeDraftConfig) and config.use_dynamic_tree:
+            return DynamicExpansion(config.dynamic_tree_max_topK, depth, nodes)
+        if self.static_tree is not None:
+            return StaticExpansion(self.static_tree.trimmed(depth, nodes))
         return ChainExpansion(min(depth, nodes), request)
 
     @functools.cached_property
     def static_tree(self) -> StaticTree | None:
+        """The config's static tree (:meth:`TreeDraftConfig.static_tree_choices`), built once."""
         choices = self.config.static_tree_choices() if isinstance(self.config, TreeDraftConfig) else None
         return StaticTree.from_choices(choices) if choices else None
 

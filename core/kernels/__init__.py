@@ -115,5 +115,4 @@ def chain_rejection(p, *args):
 
 __all__ = ["AttentionLayout", "KernelError", "SequenceSlice", "chain_rejection", "copy_kv_slots", "gather_context",
            "greedy_tree_verify", "grouped_attention", "invariant_attention", "make_linear_invariant", "paged_attention",
-           "paged_attention_is_triton",
-           "prepack_linear", "prepack_linears", "restore_linear", "use_triton"]
+           "paged_attention_is_triton", "prepack_linear", "prepack_linears", "restore_linear", "use_triton"]
