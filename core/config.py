@@ -205,8 +205,9 @@ class EngineConfig:
         batch_invariant: compute every token so that its result depends on its own sequence
             only, not on the drafts or requests sharing the forward: greedy output is then
             bit-identical between plain and speculative decoding, alone and batched, in
-            bfloat16 too (:mod:`specdec.kernels.invariant`). Off by default: on CPU it costs
-            8-11% of plain decoding's throughput (BENCHMARKS.md, "Bit-exact bfloat16").
+            bfloat16 too (:mod:`specdec.kernels.invariant`). Off by default: on CPU, with its
+            C++ attention kernel, a decode step costs what a stock one does but a multi-token
+            step up to 13% more on an AVX2 CPU (BENCHMARKS.md, "Bit-exact bfloat16").
         quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels
             (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
             None keeps the model's weights in ``dtype``. The quantized model is the target:

@@ -2,6 +2,7 @@
 its own sequence only, so greedy output is bit-identical between plain and speculative
 decoding, alone and batched, in bfloat16 too."""
 
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -10,16 +11,20 @@ from helpers import random_layout
 
 from specdec import LLM, SamplingParams
 from specdec.testing import running_server, stream_chat
-from specdec.kernels import AttentionLayout, SequenceSlice, make_linear_invariant
+from specdec import kernels
+from specdec.kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, make_linear_invariant
 from specdec.kernels.attention import paged_attention_torch
+from specdec.kernels.cpu import invariant_attention_cpu, kernel_available
 from specdec.kernels.invariant import LinearPlan, invariant_attention_torch, plan_weight, planned_linear
 from specdec.kernels.layout import slot_ids
+from specdec.kernels.prepacked import can_prepack
 from specdec.kernels.triton_kernels import invariant_attention_triton
 
-#: both implementations of the mode's attention (CUDA uses the Triton one; CPU tests run it
-#: under the Triton interpreter)
-ATTENTION = {"torch": invariant_attention_torch, "triton": invariant_attention_triton}
+#: the implementations of the mode's attention (CUDA uses the Triton one, which CPU tests run
+#: under the Triton interpreter; the CPU the C++ kernel, or the torch version without a compiler)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATTENTION = {"torch": invariant_attention_torch, "triton": invariant_attention_triton,
+             **({"cpu": invariant_attention_cpu} if DEVICE == "cpu" else {})}
 #: the implementation the mode uses here, and on CPU the other one too: the torch version's
 #: invariance holds on CPU only (on an H100 a packed token's result differed from its own
 #: decoding alone), which is why CUDA has the kernel
@@ -99,6 +104,23 @@ def test_a_token_attends_as_if_it_were_decoded_alone(case, dtype, impl):
         assert torch.equal(got[0], packed[token]), f"token {token} (position {position}) differs"
 
 
+@pytest.mark.skipif(DEVICE != "cpu" or shutil.which("c++") is None, reason="the C++ kernel is the CPU's")
+def test_the_mode_runs_the_cpu_kernel_where_a_compiler_is_found(monkeypatch):
+    """The kernel builds here and the mode's attention dispatches to it; a head dimension it
+    cannot take (not whole 16-float vectors) goes to the torch version, still right."""
+    assert kernel_available() and invariant_attention_is_kernel("cpu")
+    layout, keys, values, query, scale, window, softcap = case_inputs(0, torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(kernels, "invariant_attention_cpu", lambda *a: calls.append(a) or invariant_attention_cpu(*a))
+    assert torch.equal(kernels.invariant_attention(query, keys, values, layout, scale),
+                       invariant_attention_cpu(query, keys, values, layout, scale))
+    assert len(calls) == 1
+    narrow = [t[..., :8] for t in (query, keys, values)]
+    got = kernels.invariant_attention(*narrow, layout, scale)
+    assert len(calls) == 1
+    torch.testing.assert_close(got, paged_attention_torch(*narrow, layout, scale), atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (576, 576), (576, 4096)])
 def test_invariant_linear_gives_a_row_the_same_result_in_any_batch(shape, dtype):
@@ -116,7 +138,20 @@ def test_invariant_linear_gives_a_row_the_same_result_in_any_batch(shape, dtype)
     torch.testing.assert_close(layer(x), x @ layer.weight.t() + layer.bias, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="prepacked weight slices are a CPU bfloat16 path")
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_draft_planner_prices_the_modes_attention_as_it_runs(tiny_models, monkeypatch, kernel):
+    """Where a kernel runs the mode's attention (C++ on the CPU, Triton on CUDA) every query
+    is priced over its own keys and trees cost no batch of their own; the torch version pads
+    groups of rows and runs a step's trees as a batch of their own."""
+    from specdec.executor import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "invariant_attention_is_kernel", lambda device: kernel)
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", engine={"batch_invariant": True})
+    assert (llm.engine._padded_attention, llm.engine._tree_batch) == (not kernel, not kernel)
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or not can_prepack(torch.zeros(576, 768, dtype=torch.bfloat16)),
+                    reason="prepacked weight slices are a CPU bfloat16 path, where the packed product is exact")
 @pytest.mark.parametrize("parts", [2, 3])
 def test_a_plan_in_parts_multiplies_prepacked_slices_as_the_bmm_of_unpacked_ones(parts):
     """A plan that cuts the input (for shapes that padding rows does not make invariant)

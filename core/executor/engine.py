@@ -27,7 +27,7 @@ import torch
 from ..config import EngineConfig, SpeculativeConfig
 from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..errors import RequestError
-from ..kernels import AttentionLayout, SequenceSlice, paged_attention_is_triton
+from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
 from ..kvcache import HiddenStateCache, KVCacheManager, PagedKVCache
 from ..sampler import (Verdict, apply_repetition_penalty, probs_from_logits, verify_greedy, verify_greedy_batch,
                        verify_sampled)
@@ -119,10 +119,12 @@ class Engine:
         if config.compile:
             target.compile()
             self._warm_up_compiled()
-        # the torch reference pads a batch's sequences to the widest; the paged kernel does not
-        self._padded_attention = not paged_attention_is_triton(target.device)
-        # the batch-invariant torch attention runs a step's draft trees as a batch of their own
-        self._tree_batch = self._padded_attention and config.batch_invariant
+        # the torch attentions pad a batch's sequences to the widest, the kernels do not; the
+        # batch-invariant torch attention also runs a step's draft trees as a batch of their own
+        attention_is_kernel = (invariant_attention_is_kernel(target.device) if config.batch_invariant
+                               else paged_attention_is_triton(target.device))
+        self._padded_attention = not attention_is_kernel
+        self._tree_batch = config.batch_invariant and not attention_is_kernel
         self._warned: set[str] = set()
         #: drafter faults by kind (the requests' ``num_drafter_faults`` summed).
         self.drafter_faults: dict[str, int] = {}

@@ -12,6 +12,9 @@ import os
 import torch
 
 from .attention import gather_context, grouped_attention, paged_attention_torch
+from .cpu import invariant_attention_cpu
+from .cpu import kernel_available as cpu_kernel_available
+from .cpu import kernel_fits as cpu_kernel_fits
 from .invariant import invariant_attention_torch, make_linear_invariant, restore_linear
 from .kv_copy import copy_kv_slots_torch
 from .layout import AttentionLayout, SequenceSlice
@@ -75,11 +78,24 @@ def paged_attention(query, key_pool, value_pool, layout: AttentionLayout, scale,
                      query, key_pool, value_pool, layout, scale, sliding_window, softcap)
 
 
+def invariant_attention_is_kernel(device: torch.device | str) -> bool:
+    """Whether :func:`invariant_attention` runs a kernel on ``device`` (Triton on CUDA, the C++
+    one on the CPU: every token over its own key row, draft tree nodes as cheap as chain
+    tokens), else the torch version (padded groups of rows, draft trees as a batch of
+    their own)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return cpu_kernel_available()
+    return use_triton(torch.empty(0, device=device), "invariant_attention_triton")
+
+
 def invariant_attention(query, key_pool, value_pool, layout: AttentionLayout, scale, sliding_window=None,
                         softcap=None):
     """Attention whose result for a token does not depend on the rest of the step
-    (:mod:`.invariant`): the Triton kernel on CUDA (one reduction order per query by
-    construction), the torch version elsewhere."""
+    (:mod:`.invariant`): the Triton kernel on CUDA, the C++ kernel on the CPU (one
+    reduction order per query by construction), the torch version where neither runs."""
+    if query.device.type == "cpu" and cpu_kernel_fits(query, key_pool, value_pool):
+        return invariant_attention_cpu(query, key_pool, value_pool, layout, scale, sliding_window, softcap)
     return _dispatch("invariant_attention_triton", query, invariant_attention_torch,
                      query, key_pool, value_pool, layout, scale, sliding_window, softcap)
 
@@ -114,5 +130,6 @@ def chain_rejection(p, *args):
 
 
 __all__ = ["AttentionLayout", "KernelError", "SequenceSlice", "chain_rejection", "copy_kv_slots", "gather_context",
-           "greedy_tree_verify", "grouped_attention", "invariant_attention", "make_linear_invariant", "paged_attention",
-           "paged_attention_is_triton", "prepack_linear", "prepack_linears", "restore_linear", "use_triton"]
+           "greedy_tree_verify", "grouped_attention", "invariant_attention", "invariant_attention_is_kernel",
+           "make_linear_invariant", "paged_attention", "paged_attention_is_triton", "prepack_linear", "prepack_linears",
+           "restore_linear", "use_triton"]

@@ -27,9 +27,11 @@ batch dimension varies (which no kernel reorders):
   of them 16-node trees over 230 tokens: 566 ms with a row per node, 193 ms so, 60 ms
   without the trees; ``scripts/profile_step.py --batch-invariant --curve``), and all the
   step's trees in one batch (eight 4-node trees over 300 tokens: 2.0x the time of eight
-  decodes, 3.2x one tree at a time; the stock numerics 1.6x). On CUDA a
-  Triton kernel reads the same key rows instead (``invariant_attention_triton``): one program per query
-  and head walks its own row in column order, so no library's choice of kernel enters.
+  decodes, 3.2x one tree at a time; the stock numerics 1.6x). Kernels read the same key
+  rows instead where they run: Triton on CUDA (``invariant_attention_triton``), C++ on the
+  CPU (:mod:`.cpu`, compiled at first use); each walks one query's row in column order,
+  so no library's choice of kernel enters and a tree node costs what a chain token costs.
+  The torch version here serves where neither is built.
 
 Why CUDA has its own paths: on an H100 (torch 2.11, cuBLAS) the CPU's version of the mode
 passed its component checks (rows up to 64, the test layouts), yet the embedded model's

@@ -1,0 +1,225 @@
+// Batch-invariant attention on the CPU (specdec.kernels.cpu): the contract of
+// invariant_attention_triton, one key row per token (AttentionLayout.invariant_key_rows).
+//
+// Each (token, KV head) is one work item: its query heads walk the token's own key row in
+// column order; scores, softmax and the weighted sum of values in float32, every addition
+// in a fixed order (a dot product's element i into lane i % LANES, the lanes added
+// pairwise; key j's weight into lane j % LANES; values summed in key order). Nothing a
+// token computes depends on which or how many other tokens share the call, nor on how the
+// work is split across threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 16;
+
+// LANES floats as one value of GCC's vector extension: one AVX-512 register where the
+// machine has them, else the compiler splits it into narrower ones, lane by lane the same.
+typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t lane_index_t __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint16_t half_lanes_t __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t wide_lanes_t __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+inline lanes_t load_lanes(const float* p) {
+  lanes_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline lanes_t load_lanes(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
+  half_lanes_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return reinterpret_cast<lanes_t>(__builtin_convertvector(bits, wide_lanes_t) << 16);
+}
+
+inline lanes_t load_lanes(const c10::Half* p) {
+  float wide[LANES];
+  for (int64_t l = 0; l < LANES; ++l) wide[l] = static_cast<float>(p[l]);
+  return load_lanes(wide);
+}
+
+inline void store_lanes(float* p, lanes_t v) { std::memcpy(p, &v, sizeof(v)); }
+
+// the LANES partial sums added pairwise: lane l + 8 into lane l, then l + 4, l + 2, l + 1
+inline float reduce_lanes(lanes_t v) {
+  static_assert(LANES == 16, "the shuffles are written for 16 lanes");
+  v += __builtin_shuffle(v, lane_index_t{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, lane_index_t{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, lane_index_t{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, lane_index_t{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// The scores of LANES keys (rows[key] -> DIM elements) against q: each key's products summed
+// into LANES lanes, the lanes reduced as reduce_lanes does, for all LANES keys at once (a
+// pair of shuffles and an addition per level and pair of vectors, key k ending in lane k).
+template <int64_t DIM, typename T>
+inline lanes_t block_scores(const float* q, const T* const* rows, int64_t dim) {
+  const int64_t n = DIM ? DIM : dim;
+  lanes_t acc[LANES];
+  for (int64_t key = 0; key < LANES; ++key) {
+    lanes_t sum = {};
+    for (int64_t i = 0; i < n; i += LANES) sum += load_lanes(q + i) * load_lanes(rows[key] + i);
+    acc[key] = sum;
+  }
+  const lane_index_t low8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const lane_index_t low4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const lane_index_t low2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const lane_index_t low1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  lanes_t by8[8], by4[4], by2[2];
+  for (int64_t i = 0; i < 8; ++i)
+    by8[i] = __builtin_shuffle(acc[2 * i], acc[2 * i + 1], low8) +
+             __builtin_shuffle(acc[2 * i], acc[2 * i + 1], low8 + 8);
+  for (int64_t i = 0; i < 4; ++i)
+    by4[i] = __builtin_shuffle(by8[2 * i], by8[2 * i + 1], low4) +
+             __builtin_shuffle(by8[2 * i], by8[2 * i + 1], low4 + 4);
+  for (int64_t i = 0; i < 2; ++i)
+    by2[i] = __builtin_shuffle(by4[2 * i], by4[2 * i + 1], low2) +
+             __builtin_shuffle(by4[2 * i], by4[2 * i + 1], low2 + 2);
+  return __builtin_shuffle(by2[0], by2[1], low1) + __builtin_shuffle(by2[0], by2[1], low1 + 1);
+}
+
+// a[d] = sum_k p[k] * rows[k][d], keys in order, LANES columns a vector
+template <int64_t DIM, typename T>
+inline void weigh_values(const float* p, const T* const* rows, int64_t n, int64_t dim_v, float* a) {
+  if constexpr (DIM > 0) {
+    constexpr int64_t C = DIM / LANES;
+    lanes_t sums[C] = {};
+    for (int64_t k = 0; k < n; ++k)
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < C; ++c) sums[c] += p[k] * load_lanes(rows[k] + c * LANES);
+    for (int64_t c = 0; c < C; ++c) store_lanes(a + c * LANES, sums[c]);
+  } else {
+    for (int64_t c = 0; c < dim_v; c += LANES) {
+      lanes_t sum = {};
+      for (int64_t k = 0; k < n; ++k) sum += p[k] * load_lanes(rows[k] + c);
+      store_lanes(a + c, sum);
+    }
+  }
+}
+
+// exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-6 polynomial), in a
+// form the compiler vectorizes; below -87 it gives 2^-126 instead of a subnormal.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(float));
+  return y * scale;
+}
+
+template <typename T, int64_t DIM>
+void attend(const float* query, const T* keys, const T* values, T* out, const int64_t* slots,
+            const int64_t* key_pos, const int64_t* offset, const int64_t* count, const int64_t* query_pos,
+            int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t dim_v, int64_t key_stride,
+            int64_t value_stride, float scale, float softcap, int64_t window) {
+  const int64_t rep = heads / kv_heads;
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<T> zeros(dim);  // the key of a block's missing columns
+  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const T*> k_rows, v_rows;
+    std::vector<float> scores, acc(dim_v);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / kv_heads, g = item % kv_heads, n = count[t];
+      const int64_t blocks = (n + LANES - 1) / LANES;
+      const int64_t* row_slots = slots + offset[t];
+      k_rows.assign(blocks * LANES, zeros.data());
+      v_rows.resize(n);
+      for (int64_t j = 0; j < n; ++j) {
+        k_rows[j] = keys + row_slots[j] * key_stride + g * dim;
+        v_rows[j] = values + row_slots[j] * value_stride + g * dim_v;
+      }
+      scores.resize(blocks * LANES);
+      float* s = scores.data();
+      for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
+        const float* q = query + (t * heads + h) * dim;
+        for (int64_t b = 0; b < blocks; ++b)
+          store_lanes(s + b * LANES, block_scores<DIM>(q, k_rows.data() + b * LANES, dim) * scale);
+        if (softcap > 0.0f)
+          for (int64_t j = 0; j < n; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
+        // a key outside the sliding window weighs nothing (its place in the row stays the
+        // one plain decoding gives it); nor do the last block's missing keys
+        if (window > 0)
+          for (int64_t j = 0; j < n; ++j)
+            if (query_pos[t] - key_pos[offset[t] + j] >= window) s[j] = -inf;
+        for (int64_t j = n; j < blocks * LANES; ++j) s[j] = -inf;
+        lanes_t top = load_lanes(s);
+        for (int64_t b = 1; b < blocks; ++b) {
+          const lanes_t x = load_lanes(s + b * LANES);
+          top = x > top ? x : top;
+        }
+        float m = top[0];
+        for (int64_t l = 1; l < LANES; ++l) m = top[l] > m ? top[l] : m;
+        for (int64_t j = 0; j < blocks * LANES; ++j) {
+          const float e = exp_nonpositive(s[j] - m);
+          s[j] = s[j] == -inf ? 0.0f : e;
+        }
+        lanes_t total = {};
+        for (int64_t b = 0; b < blocks; ++b) total += load_lanes(s + b * LANES);
+        const float inv = 1.0f / reduce_lanes(total);
+        weigh_values<DIM>(s, v_rows.data(), n, dim_v, acc.data());
+        T* o = out + (t * heads + h) * dim_v;
+        for (int64_t d = 0; d < dim_v; ++d) o[d] = static_cast<T>(acc[d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor invariant_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                               const at::Tensor& slots, const at::Tensor& key_pos, const at::Tensor& offset,
+                               const at::Tensor& count, const at::Tensor& query_pos, double scale, double softcap,
+                               int64_t window) {
+  // query [tokens, heads, dim] float32; pools [slots, kv_heads, dim] of one dtype, rows contiguous
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.is_contiguous(), "query: contiguous float32");
+  TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type(), "key and value pools of one dtype");
+  TORCH_CHECK(key_pool.stride(2) == 1 && key_pool.stride(1) == key_pool.size(2) && value_pool.stride(2) == 1 &&
+                  value_pool.stride(1) == value_pool.size(2), "pools: each slot's heads contiguous");
+  for (const at::Tensor* index : {&slots, &key_pos, &offset, &count, &query_pos})
+    TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous(), "indices: contiguous int64");
+  const int64_t tokens = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key_pool.size(1), dim_v = value_pool.size(2);
+  TORCH_CHECK(heads % kv_heads == 0, "query heads a multiple of KV heads");
+  TORCH_CHECK(dim % LANES == 0 && dim_v % LANES == 0, "head dimensions a multiple of ", LANES);
+  at::Tensor out = at::empty({tokens, heads, dim_v}, key_pool.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_pool.scalar_type(), "invariant_attention", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "float64 pools are not supported");
+    } else {
+      auto run = dim == 64 && dim_v == 64 ? attend<scalar_t, 64> : dim == 128 && dim_v == 128 ? attend<scalar_t, 128>
+                                                                                                : attend<scalar_t, 0>;
+      run(query.data_ptr<float>(), key_pool.data_ptr<scalar_t>(), value_pool.data_ptr<scalar_t>(),
+                       out.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), key_pos.data_ptr<int64_t>(),
+                       offset.data_ptr<int64_t>(), count.data_ptr<int64_t>(), query_pos.data_ptr<int64_t>(),
+                       tokens, heads, kv_heads, dim, dim_v, key_pool.stride(0), value_pool.stride(0),
+                       static_cast<float>(scale), static_cast<float>(softcap), window);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdec_cpu, m) {
+  m.def("invariant_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor slots, Tensor key_pos, "
+        "Tensor offset, Tensor count, Tensor query_pos, float scale, float softcap, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) { m.impl("invariant_attention", &invariant_attention); }
