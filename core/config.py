@@ -206,8 +206,10 @@ class EngineConfig:
             only, not on the drafts or requests sharing the forward: greedy output is then
             bit-identical between plain and speculative decoding, alone and batched, in
             bfloat16 too (:mod:`specdec.kernels.invariant`). Off by default: on CPU, with its
-            C++ attention kernel, a decode step costs what a stock one does but a multi-token
-            step up to 13% more on an AVX2 CPU (BENCHMARKS.md, "Bit-exact bfloat16").
+            C++ kernels, a decode step costs what a stock one does, but long prompts and long
+            verifications cost more (ngram at 0.90x of its stock-numerics speed on an AVX2
+            CPU; BENCHMARKS.md, "Bit-exact bfloat16" and "bfloat16 on CPUs without bfloat16
+            instructions").
         quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels
             (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
             None keeps the model's weights in ``dtype``. The quantized model is the target:
@@ -215,7 +217,11 @@ class EngineConfig:
         prepack_weights: bfloat16 linear layers on CPU multiply by weights reordered once
             into oneDNN's layout instead of at every call (:mod:`specdec.kernels.prepacked`):
             bit-identical results, 1.2-2.4x faster products, one more copy of those weights
-            in memory (the originals stay for drafters). No effect on other dtypes and devices.
+            in memory (the originals stay for drafters). On a CPU without bfloat16
+            instructions, where oneDNN refuses the reorder, they run specdec's linear kernel
+            instead (:func:`specdec.kernels.cpu.kernel_linear`: no copy, rounding like
+            ``F.linear``'s but not its bits, a 16-token step 2.9x cheaper). No effect on
+            other dtypes and devices.
         compile: run the target's forward through ``torch.compile`` (inductor; on the CPU
             with frozen weights, which inductor packs itself, so ``prepack_weights`` does not
             apply): the work between the matrix products is fused. Three graphs are compiled

@@ -18,6 +18,16 @@ PACKS = can_prepack(torch.zeros(576, 576, dtype=torch.bfloat16))
 needs_exact_packing = pytest.mark.skipif(not PACKS, reason="the reordered product is not exact on this CPU")
 
 
+@pytest.fixture(autouse=True)
+def without_the_linear_kernel(monkeypatch):
+    """This file checks oneDNN's packing; where oneDNN refuses it (no bfloat16 instructions)
+    layers get specdec's linear kernel instead, which ``tests/test_cpu_linear.py`` checks."""
+    from specdec.kernels import invariant
+
+    monkeypatch.setattr(prepacked, "linear_kernel_fits", lambda weight: False)
+    monkeypatch.setattr(invariant, "linear_kernel_fits", lambda weight: False)
+
+
 @needs_exact_packing
 @pytest.mark.parametrize("shape", [(576, 576), (576, 1536), (1536, 576), (576, 49152), (64, 128)])
 @pytest.mark.parametrize("bias", [False, True])

@@ -1,6 +1,7 @@
-"""The batch-invariant attention's CPU kernel (``invariant_attention.cpp``), compiled once
-per machine at first use with torch's C++ extension builder (about 10 s; the result is
-cached under torch's extensions directory).
+"""specdec's CPU kernels, compiled once per machine at first use with torch's C++ extension
+builder (10-20 s; the result is cached under torch's extensions directory): the
+batch-invariant attention (``invariant_attention.cpp``) and bfloat16 linear layers for CPUs
+without bfloat16 instructions (``bf16_linear.cpp``).
 
 Why a kernel of our own: the torch version (:func:`.invariant.invariant_attention_torch`)
 must lay every key row out as plain decoding does and reduce over it with library
@@ -23,10 +24,11 @@ import os
 import pathlib
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCE = pathlib.Path(__file__).with_name("invariant_attention.cpp")
+SOURCES = [pathlib.Path(__file__).with_name(name) for name in ("invariant_attention.cpp", "bf16_linear.cpp")]
 
 
 def _machine_tag() -> str:
@@ -42,20 +44,21 @@ def _machine_tag() -> str:
 
 @functools.cache
 def kernel_available() -> bool:
-    """Whether the CPU kernel is built and registered (``torch.ops.specdec_cpu``); builds it
-    at the first call."""
+    """Whether the CPU kernels are built and registered (``torch.ops.specdec_cpu``); builds
+    them at the first call."""
     if os.environ.get("SPECDEC_KERNELS", "auto") == "torch":
         return False
     try:
         from torch.utils.cpp_extension import load
 
         # no -ffast-math: GCC links it with a start-up file that flushes denormals process-wide
-        load(name=f"specdec_cpu_{_machine_tag()}", sources=[str(SOURCE)],
+        load(name=f"specdec_cpu_{_machine_tag()}", sources=[str(source) for source in SOURCES],
              extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch version serves
-        log.warning("the CPU batch-invariant attention kernel could not be built (%s: %s); using the torch "
-                    "version, which is slower on draft trees", type(exc).__name__, str(exc).splitlines()[0])
+        log.warning("specdec's CPU kernels could not be built (%s: %s); using torch's products, which are "
+                    "slower on draft trees and, without bfloat16 instructions, on every step of several tokens",
+                    type(exc).__name__, str(exc).splitlines()[0])
         return False
     return True
 
@@ -87,3 +90,47 @@ def invariant_attention_cpu(query: torch.Tensor, key_pool: torch.Tensor, value_p
         query_rows, key_pool, value_pool, rows["slots"], rows["key_pos"], rows["offset"], rows["count"],
         layout.query_positions, float(scale), float(softcap or 0.0), int(sliding_window or 0))
     return out.to(query.dtype)
+
+
+# -- bfloat16 linear layers -------------------------------------------------------------
+#
+# Why: on a CPU without bfloat16 instructions (AVX2, no AVX-512) oneDNN takes no bfloat16
+# products, and torch 2.13 multiplies a bfloat16 ``F.linear`` one row at a time: on a 2-core
+# AVX2 EPYC a 16-token step of the embedded model cost 7.8 decodes, so verifying drafts cost
+# more than they brought. The kernel widens each weight element once per call and multiplies
+# it by every row with FMA instructions: 16 rows of the MLP's down projection in 0.55 against
+# 2.6 ms, the LM head in 12 against 49 ms, one row no slower (BENCHMARKS.md, "bfloat16 on
+# CPUs without bfloat16 instructions"). Not bit-identical to ``F.linear``; batch-invariant by
+# construction (every output summed in one order whatever the row count).
+
+#: the linear kernel's vector width in floats: input dimensions must be multiples of it
+LINEAR_LANES = 8
+
+
+@functools.cache
+def native_bfloat16() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU (AVX-512 and newer): there torch's own
+    products are fast and :mod:`.prepacked` serves; elsewhere the linear kernel does."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@functools.cache
+def linear_kernel_available() -> bool:
+    """Whether the linear kernel is built (it needs AVX2 and FMA; elsewhere it is left out)."""
+    return kernel_available() and hasattr(torch.ops.specdec_cpu, "linear_bf16")
+
+
+def linear_kernel_fits(weight: torch.Tensor) -> bool:
+    """Whether products with ``weight`` should go to the linear kernel: a 2-D bfloat16 CPU
+    weight whose input dimension is whole vectors, on a CPU without bfloat16 instructions."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[1] % LINEAR_LANES == 0 and weight.is_contiguous() and not native_bfloat16()
+            and linear_kernel_available())
+
+
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in bfloat16 through the linear kernel; ``F.linear`` itself
+    where a gradient is wanted (the kernel has none)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return F.linear(x, weight, bias)
+    return torch.ops.specdec_cpu.linear_bf16(x, weight, bias)

@@ -14,7 +14,9 @@ batch dimension varies (which no kernel reorders):
 - linear layers pad their rows and split their input dimension as a :class:`LinearPlan`
   found by trying on this machine at first use (:func:`linear_plan`: the thresholds are
   the kernel library's), the slices' products added in float32 in a fixed order; on CUDA
-  they multiply a fixed number of rows per call (:data:`CUDA_CHUNK_ROWS`);
+  they multiply a fixed number of rows per call (:data:`CUDA_CHUNK_ROWS`); on a CPU without
+  bfloat16 instructions, bfloat16 layers run specdec's linear kernel (:mod:`.cpu`), which
+  sums every output in one order whatever the row count;
 - attention runs in float32 over *key rows*: a query at position ``p`` sees the keys of
   positions ``0..p`` at columns ``0..p``, as plain decoding lays them out (a draft tree's
   ancestors compacted); rows are padded to a multiple of :data:`KEY_BLOCK` keys (scores
@@ -47,6 +49,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from .cpu import kernel_linear, linear_kernel_fits
 from .prepacked import can_prepack, pack_weight, packed_linear
 
 log = logging.getLogger(__name__)
@@ -184,8 +187,14 @@ def linear_plan(weight: torch.Tensor) -> LinearPlan:
 
 def make_linear_invariant(module: torch.nn.Linear) -> bool:
     """Give ``module`` a batch-invariant forward (undo with :func:`restore_linear`); False
-    where its stock forward is invariant already (and is left in place). A one-part plan multiplies
-    by the weight prepacked for oneDNN where that is exact (:mod:`.prepacked`)."""
+    where its stock forward is invariant already (and is left in place). The CPU linear
+    kernel, invariant by construction, where it fits (:func:`.cpu.linear_kernel_fits`);
+    else a plan, whose one-part products multiply by the weight prepacked for oneDNN where
+    that is exact (:mod:`.prepacked`)."""
+    if linear_kernel_fits(module.weight):
+        bias = None if module.bias is None else module.bias.detach()
+        module.forward = functools.partial(kernel_linear, weight=module.weight.detach(), bias=bias)
+        return True
     plan = linear_plan(module.weight)
     if plan.is_stock:
         return False

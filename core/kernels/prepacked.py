@@ -13,6 +13,11 @@ bit-identical to ``F.linear``'s: each weight shape is checked once on this machi
 (:func:`packing_is_exact`, for several row counts) and left stock where it is not, so
 outputs, losslessness and the batch-invariant mode's plans are unchanged. The packed
 weight is a second copy: the module keeps its ``weight`` for drafters and training.
+
+On a CPU without bfloat16 instructions oneDNN refuses the reorder and torch multiplies a
+bfloat16 ``F.linear`` one row at a time; there :func:`prepack_linear` gives the layer
+specdec's linear kernel instead (:func:`specdec.kernels.cpu.kernel_linear`: no copy, not
+bit-identical to ``F.linear``, many times faster on steps of several tokens).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from .cpu import kernel_linear, linear_kernel_fits
 
 #: row counts compared with ``F.linear`` when a weight shape is checked.
 _CHECK_ROWS = (1, 2, 5, 8, 16, 33, 64)
@@ -60,12 +67,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def prepack_linear(module: torch.nn.Linear) -> bool:
-    """Give ``module`` a forward on its packed weight (undo with
-    :func:`specdec.kernels.restore_linear`); False where :func:`can_prepack` says no."""
-    if not can_prepack(module.weight) or (module.bias is not None and module.bias.dtype != torch.bfloat16):
+    """Give ``module`` a forward on its packed weight where :func:`can_prepack` says yes, else
+    on the linear kernel where it fits (undo either with :func:`specdec.kernels.restore_linear`);
+    False where neither applies."""
+    if module.bias is not None and module.bias.dtype != torch.bfloat16:
         return False
-    module.forward = functools.partial(packed_linear, packed=pack_weight(module.weight),
-                                       bias=None if module.bias is None else module.bias.detach())
+    bias = None if module.bias is None else module.bias.detach()
+    if can_prepack(module.weight):
+        module.forward = functools.partial(packed_linear, packed=pack_weight(module.weight), bias=bias)
+    elif linear_kernel_fits(module.weight):
+        module.forward = functools.partial(kernel_linear, weight=module.weight.detach(), bias=bias)
+    else:
+        return False
     return True
 
 
