@@ -220,7 +220,7 @@ class EngineConfig:
             in memory (the originals stay for drafters). On a CPU without bfloat16
             instructions, where oneDNN refuses the reorder, they run specdec's linear kernel
             instead (:func:`specdec.kernels.cpu.kernel_linear`: no copy, rounding like
-            ``F.linear``'s but not its bits, a 16-token step 2.9x cheaper). No effect on
+            ``F.linear``'s but not its bits, a 16-token step 2.5x cheaper). No effect on
             other dtypes and devices.
         compile: run the target's forward through ``torch.compile`` (inductor; on the CPU
             with frozen weights, which inductor packs itself, so ``prepack_weights`` does not

@@ -98,10 +98,11 @@ def invariant_attention_cpu(query: torch.Tensor, key_pool: torch.Tensor, value_p
 # products, and torch 2.13 multiplies a bfloat16 ``F.linear`` one row at a time: on a 2-core
 # AVX2 EPYC a 16-token step of the embedded model cost 7.8 decodes, so verifying drafts cost
 # more than they brought. The kernel widens each weight element once per call and multiplies
-# it by every row with FMA instructions: 16 rows of the MLP's down projection in 0.55 against
-# 2.6 ms, the LM head in 12 against 49 ms, one row no slower (BENCHMARKS.md, "bfloat16 on
-# CPUs without bfloat16 instructions"). Not bit-identical to ``F.linear``; batch-invariant by
-# construction (every output summed in one order whatever the row count).
+# it by every row with FMA instructions: 16 rows of the MLP's down projection in 0.52 against
+# 1.55 ms, the LM head in 16 against 56 ms, one row no slower (``scripts/bench_cpu_linear.py``,
+# BENCHMARKS.md, "bfloat16 on CPUs without bfloat16 instructions"). Not bit-identical to
+# ``F.linear``; batch-invariant by construction (every output summed in one order whatever
+# the row count).
 
 #: the linear kernel's vector width in floats: input dimensions must be multiples of it
 LINEAR_LANES = 8
@@ -134,3 +135,9 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)
     return torch.ops.specdec_cpu.linear_bf16(x, weight, bias)
+
+
+def kernel_linear_forward(module: torch.nn.Linear) -> functools.partial:
+    """A forward for ``module`` on the linear kernel (its weight and bias read, not copied)."""
+    return functools.partial(kernel_linear, weight=module.weight.detach(),
+                             bias=None if module.bias is None else module.bias.detach())

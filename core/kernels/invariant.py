@@ -49,7 +49,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from .cpu import kernel_linear, linear_kernel_fits
+from .cpu import kernel_linear_forward, linear_kernel_fits
 from .prepacked import can_prepack, pack_weight, packed_linear
 
 log = logging.getLogger(__name__)
@@ -192,8 +192,7 @@ def make_linear_invariant(module: torch.nn.Linear) -> bool:
     else a plan, whose one-part products multiply by the weight prepacked for oneDNN where
     that is exact (:mod:`.prepacked`)."""
     if linear_kernel_fits(module.weight):
-        bias = None if module.bias is None else module.bias.detach()
-        module.forward = functools.partial(kernel_linear, weight=module.weight.detach(), bias=bias)
+        module.forward = kernel_linear_forward(module)
         return True
     plan = linear_plan(module.weight)
     if plan.is_stock:

@@ -27,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .cpu import kernel_linear, linear_kernel_fits
+from .cpu import kernel_linear_forward, linear_kernel_fits
 
 #: row counts compared with ``F.linear`` when a weight shape is checked.
 _CHECK_ROWS = (1, 2, 5, 8, 16, 33, 64)
@@ -72,11 +72,11 @@ def prepack_linear(module: torch.nn.Linear) -> bool:
     False where neither applies."""
     if module.bias is not None and module.bias.dtype != torch.bfloat16:
         return False
-    bias = None if module.bias is None else module.bias.detach()
     if can_prepack(module.weight):
-        module.forward = functools.partial(packed_linear, packed=pack_weight(module.weight), bias=bias)
+        module.forward = functools.partial(packed_linear, packed=pack_weight(module.weight),
+                                           bias=None if module.bias is None else module.bias.detach())
     elif linear_kernel_fits(module.weight):
-        module.forward = functools.partial(kernel_linear, weight=module.weight.detach(), bias=bias)
+        module.forward = kernel_linear_forward(module)
     else:
         return False
     return True
