@@ -205,11 +205,10 @@ class EngineConfig:
         batch_invariant: compute every token so that its result depends on its own sequence
             only, not on the drafts or requests sharing the forward: greedy output is then
             bit-identical between plain and speculative decoding, alone and batched, in
-            bfloat16 too (:mod:`specdec.kernels.invariant`). Off by default: on CPU, with its
-            C++ kernels, a decode step costs what a stock one does, but long prompts and long
-            verifications cost more (ngram at 0.90x of its stock-numerics speed on an AVX2
-            CPU; BENCHMARKS.md, "Bit-exact bfloat16" and "bfloat16 on CPUs without bfloat16
-            instructions").
+            bfloat16 too (:mod:`specdec.kernels.invariant`). Off by default. On CPU with its
+            C++ kernels it costs next to nothing on an AVX2 CPU (ngram 0.98x and 0.99x of
+            its stock-numerics speed at batch 1 and 8); on AVX-512 CPUs its batch-8 cost
+            with the kernels is not measured yet (BENCHMARKS.md, "Bit-exact bfloat16").
         quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels
             (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
             None keeps the model's weights in ``dtype``. The quantized model is the target:

@@ -63,7 +63,8 @@ def kernel_available() -> bool:
     return True
 
 
-#: the kernel's vector width in floats: head dimensions must be multiples of it
+#: the attention kernel's vector width in floats where the CPU has AVX-512 (8 on AVX2): head
+#: dimensions must be multiples of it, so a model runs the same implementation on both
 LANES = 16
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
