@@ -360,7 +360,18 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
     return {"model": plain.target.name, "dtype": str(plain.dtype).replace("torch.", ""), "device": str(plain.device),
             "quantization": base.engine.quantization, "threads": torch.get_num_threads(), "batch_size": batch_size,
             "temperature": temperature, "max_tokens": max_tokens, "repetitions": repetitions,
-            "categories": list(prompt_sets), "results": results}
+            "categories": list(prompt_sets), "results": results,
+            "batch_invariant": {label: llm.engine.batch_invariant for label, llm in llms.items()}}
+
+
+def numerics_line(report: dict) -> str:
+    """Which methods ran in the batch-invariant numerics mode (``engine.batch_invariant``,
+    ``auto`` by default: on or off by machine and dtype), for the report's header."""
+    modes = report["batch_invariant"]
+    on = [label for label, mode in modes.items() if mode]
+    if not on or len(on) == len(modes):
+        return f"numerics: {'batch-invariant' if on else 'stock'}"
+    return f"numerics: batch-invariant for {', '.join(on)}; stock for the rest"
 
 
 def write_json(report: dict, path: str) -> None:

@@ -176,7 +176,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import plot, print_table, run_bench, write_json
+    from .bench import numerics_line, plot, print_table, run_bench, write_json
 
     try:
         report = run_bench(_resolve_config(args), args.methods, args.dataset, args.categories, args.batch_size,
@@ -186,7 +186,8 @@ def cmd_bench(args) -> int:
         raise SpecdecError(str(exc)) from None
     quantized = f" ({report['quantization']} weights)" if report["quantization"] else ""
     print(f"# {report['model']}, {report['dtype']}{quantized} on {report['device']}, {report['threads']} threads, "
-          f"batch {report['batch_size']}, temperature {report['temperature']}, max {report['max_tokens']} tokens")
+          f"batch {report['batch_size']}, temperature {report['temperature']}, max {report['max_tokens']} tokens, "
+          f"{numerics_line(report)}")
     print_table(report)
     if args.json:
         write_json(report, args.json)

@@ -182,6 +182,20 @@ class TreeDraftConfig(SpeculativeConfig):
         return self.max_draft_len
 
 
+def _bool_or_auto(value, _type=None) -> bool | str:
+    """``true``, ``false`` or ``auto`` (an option whose default the engine decides)."""
+    if not isinstance(value, bool) and value != "auto":
+        raise TypeError(f"expected true, false or auto, got {value!r}")
+    return value
+
+
+def _check_bool_or_auto(inst, attribute, value) -> None:
+    try:
+        _bool_or_auto(value)
+    except TypeError as exc:
+        raise FieldError(attribute.name, str(exc)) from None
+
+
 #: ``engine.quantization`` values (:mod:`specdec.quantization`).
 QUANTIZATIONS = ("int8", "int4")
 
@@ -205,10 +219,15 @@ class EngineConfig:
         batch_invariant: compute every token so that its result depends on its own sequence
             only, not on the drafts or requests sharing the forward: greedy output is then
             bit-identical between plain and speculative decoding, alone and batched, in
-            bfloat16 too (:mod:`specdec.kernels.invariant`). Off by default. On CPU with its
-            C++ kernels it costs next to nothing on an AVX2 CPU (ngram 0.98x and 0.99x of
-            its stock-numerics speed at batch 1 and 8); on AVX-512 CPUs its batch-8 cost
-            with the kernels is not measured yet (BENCHMARKS.md, "Bit-exact bfloat16").
+            bfloat16 too (:mod:`specdec.kernels.invariant`). ``auto`` (the default) turns it on
+            where it was measured to cost nothing: a bfloat16 target on a CPU without
+            bfloat16 instructions (AVX2) whose every product and attention specdec's C++
+            kernels take, not compiled or quantized (ngram 0.98x and 0.99x of its
+            stock-numerics speed at batch 1 and 8 on an AVX2 EPYC; a 512-token prompt chunk
+            1.15x dearer); elsewhere off, since the cost on AVX-512 CPUs at batch 8 and on
+            CUDA is not measured with the kernels
+            (:func:`specdec.executor.engine.resolve_batch_invariant`,
+            BENCHMARKS.md "Bit-exact bfloat16"). ``true`` or ``false`` decides it.
         quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels
             (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
             None keeps the model's weights in ``dtype``. The quantized model is the target:
@@ -227,7 +246,8 @@ class EngineConfig:
             when the engine starts (about 2 minutes for the embedded model on a 2-core
             CPU); then a decode step costs 18-55% less, plain decoding ran 1.23x faster in
             bfloat16 and 1.36x in int4, for +374 MiB of memory (BENCHMARKS.md, "Compiled
-            target forward"). Not with ``batch_invariant``. Off by default.
+            target forward"). Not with ``batch_invariant: true`` (``auto`` is then off). Off by
+            default.
     """
 
     max_batch_size: int = attrs.field(default=8, validator=in_range(1, 4096))
@@ -239,17 +259,18 @@ class EngineConfig:
     max_model_len: int | None = attrs.field(default=None, validator=in_range(1, None))
     enable_prefix_caching: bool = True
     num_threads: int | None = attrs.field(default=None, validator=in_range(1, None))
-    batch_invariant: bool = False
+    batch_invariant: bool | str = attrs.field(default="auto", validator=_check_bool_or_auto)
     quantization: str | None = attrs.field(default=None, validator=attrs.validators.optional(one_of(*QUANTIZATIONS)))
     prepack_weights: bool = True
     compile: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _compile_alone(inst, value))
 
 
 def _compile_alone(engine: EngineConfig, compile: bool) -> None:
-    """``compile`` is refused beside ``batch_invariant`` (whose plans run eagerly)."""
-    if compile and engine.batch_invariant:
-        raise FieldError("compile", "cannot be combined with batch_invariant: the compiled graph fuses operations "
-                                    "in an order that depends on the step's token count; turn one of them off")
+    """``compile`` is refused beside ``batch_invariant: true`` (whose plans run eagerly)."""
+    if compile and engine.batch_invariant is True:
+        raise FieldError("compile", "cannot be combined with batch_invariant: true: the compiled graph fuses "
+                                    "operations in an order that depends on the step's token count; turn one of "
+                                    "them off (batch_invariant: auto is off beside compile)")
 
 
 @attrs.frozen(kw_only=True)
@@ -310,6 +331,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(bool, _strict_bool)
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook_func(lambda t: t == tuple[str, ...], _str_or_strings)
+    conv.register_structure_hook_func(lambda t: t == bool | str, _bool_or_auto)
     conv.register_structure_hook_func(lambda t: t is SpeculativeConfig, _structure_speculative)
     # A plugin's config unstructures with all its own fields, not just the base class's.
     conv.register_unstructure_hook_func(lambda t: t is SpeculativeConfig,

@@ -136,7 +136,8 @@ def main() -> None:
     p.add_argument("--quantization", choices=["int8", "int4"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-prepack", action="store_true", help="engine.prepack_weights off (stock F.linear)")
-    p.add_argument("--batch-invariant", action="store_true", help="engine.batch_invariant on")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="engine.batch_invariant true (else false, whatever its auto default would pick)")
     p.add_argument("--against-stock", action="store_true",
                    help="with --batch-invariant --curve: also time the stock numerics, interleaved, and print "
                         "the mode's cost per shape")

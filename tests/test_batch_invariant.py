@@ -9,12 +9,15 @@ import pytest
 import torch
 from helpers import random_layout
 
-from specdec import LLM, SamplingParams
+from specdec import LLM, SamplingParams, testing
+from specdec.config import EngineConfig
+from specdec.executor.engine import resolve_batch_invariant
 from specdec.testing import running_server, stream_chat
 from specdec import kernels
+from specdec.kernels import cpu
 from specdec.kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, make_linear_invariant
 from specdec.kernels.attention import paged_attention_torch
-from specdec.kernels.cpu import invariant_attention_cpu, kernel_available
+from specdec.kernels.cpu import invariant_attention_cpu, kernel_available, kernels_take_every_layer
 from specdec.kernels.invariant import LinearPlan, invariant_attention_torch, plan_weight, planned_linear
 from specdec.kernels.layout import slot_ids
 from specdec.kernels.prepacked import can_prepack
@@ -231,3 +234,58 @@ def test_bfloat16_answers_through_the_server_under_32_streams_equal_answers_alon
     params = SamplingParams(max_tokens=24, temperature=0.0)
     for prompt, text in zip(prompts, texts):
         assert text == bf16_ngram.chat([{"role": "user", "content": prompt}], params)[0].text, prompt
+
+
+# -- engine.batch_invariant: auto -----------------------------------------------------------
+
+needs_cpu_kernels = pytest.mark.skipif(
+    DEVICE != "cpu" or not (kernel_available() and cpu.linear_kernel_available()),
+    reason="auto turns the mode on where specdec's CPU kernels take every layer; they are not built here")
+#: the tiny architectures whose every product is a linear layer (deepseek_v3's experts are not)
+DENSE = sorted(a for a in testing.TINY_ARCHITECTURES if a != "deepseek_v3")
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("arch", DENSE)
+def test_auto_runs_the_mode_where_the_cpu_kernels_take_every_layer(tiny_models, monkeypatch, arch):
+    """On a CPU without bfloat16 instructions (forced here, so that AVX-512 machines check it
+    too) a bfloat16 target of each dense architecture gets the mode by default, and its
+    greedy output is then the same alone, batched, and batched with drafts the target
+    accepts (windows, softcaps and q/k norms included)."""
+    monkeypatch.setattr(cpu, "native_bfloat16", lambda: False)
+    model = str(tiny_models[arch])
+    plain = LLM(model, dtype="bfloat16")
+    spec = LLM(model, dtype="bfloat16",  # the target itself as the draft: its drafts are mostly right
+               speculative_config={"decoding_type": "draft_target", "speculative_model": model,
+                                   "max_draft_len": 4, "adaptive": False})
+    assert plain.engine.batch_invariant and spec.engine.batch_invariant
+    prompts = [[(5 * i + 3 * j) % 120 + 4 for j in range(6 + 3 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = [plain.generate([p], params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in plain.generate(prompts, params)] == alone
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == alone
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0, "nothing was accepted: the check proves nothing"
+
+
+@needs_cpu_kernels
+def test_auto_keeps_stock_numerics_where_the_mode_was_not_measured(tiny_models, smol, monkeypatch):
+    """``auto`` is on only for what was measured to cost nothing (a bfloat16 CPU target whose
+    every layer the kernels take, neither compiled nor quantized); ``true`` and ``false``
+    decide it everywhere."""
+    monkeypatch.setattr(cpu, "native_bfloat16", lambda: False)
+    target = LLM(dtype="bfloat16").target
+    assert resolve_batch_invariant(EngineConfig(), target) is True
+    assert resolve_batch_invariant(EngineConfig(batch_invariant=False), target) is False
+    assert resolve_batch_invariant(EngineConfig(compile=True), target) is False
+    assert resolve_batch_invariant(EngineConfig(quantization="int4"), target) is False
+    assert resolve_batch_invariant(EngineConfig(), smol.target) is False  # float32
+    assert resolve_batch_invariant(EngineConfig(batch_invariant=True), smol.target) is True
+    # head dimensions the attention kernel does not take; an MoE's fused expert tensors
+    assert not kernels_take_every_layer(target.model, [(3, 8, 8)] * len(target.layer_shapes))
+    assert LLM(str(tiny_models["deepseek_v3"]), dtype="bfloat16").engine.batch_invariant is False
+    monkeypatch.setattr(cpu, "kernel_available", lambda: False)  # no compiler: the torch version's cost
+    assert resolve_batch_invariant(EngineConfig(), target) is False
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu, "native_bfloat16", lambda: True)  # AVX-512: oneDNN's products, cost unmeasured
+    assert resolve_batch_invariant(EngineConfig(), target) is False

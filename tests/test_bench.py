@@ -32,6 +32,8 @@ def test_bench_builtin_sets_table_json_and_plots(tmp_path):
     # float32: speculative output is the plain output, and the report says so per method
     assert ngram["all"]["identical_to_plain"] == plain["all"]["identical_to_plain"] == "2/2"
     assert ngram["all"]["drafter_faults"] == 0 and ngram["all"]["request_latency_s"] > 0
+    # float32: engine.batch_invariant's auto default leaves stock numerics, and the header says so
+    assert report["batch_invariant"] == {"plain": False, "ngram": False} and "numerics: stock" in result.stdout
     for name in ("speedup.png", "acceptance.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -227,3 +229,12 @@ def test_llama_cpp_errors_name_the_fix(tmp_path, monkeypatch, tiny_models):
         assert "pip install 'specdec[llama-cpp]'" in str(exc)
     else:
         raise AssertionError("no error without llama-cpp-python")
+
+
+def test_the_header_names_the_numerics_each_method_ran_in():
+    from specdec.bench import numerics_line
+
+    assert numerics_line({"batch_invariant": {"plain": True, "ngram": True}}) == "numerics: batch-invariant"
+    assert numerics_line({"batch_invariant": {"plain": False, "ngram": False}}) == "numerics: stock"
+    assert (numerics_line({"batch_invariant": {"plain": False, "ngram_invariant": True}})
+            == "numerics: batch-invariant for ngram_invariant; stock for the rest")

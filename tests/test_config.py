@@ -97,6 +97,22 @@ def test_overrides_win_over_yaml():
     assert isinstance(cfg, SpecdecConfig)
 
 
+def test_batch_invariant_is_true_false_or_auto():
+    assert EngineConfig().batch_invariant == "auto"
+    for value in (True, False, "auto"):
+        assert config_from_dict({"engine": {"batch_invariant": value}}).engine.batch_invariant == value
+        assert merge_overrides(config_from_dict({}), {"engine.batch_invariant": value}).engine.batch_invariant == value
+    assert error_of({"engine": {"batch_invariant": "on"}}) == \
+        "engine.batch_invariant: expected true, false or auto, got 'on'"
+    assert error_of({"engine": {"batch_invariant": 1}}) == "engine.batch_invariant: expected true, false or auto, got 1"
+    with pytest.raises(ConfigError, match="batch_invariant: expected true, false or auto, got None"):
+        EngineConfig(batch_invariant=None)
+    # compile is refused beside the mode asked for, not beside its automatic default
+    assert EngineConfig(compile=True).batch_invariant == "auto"
+    assert "engine.compile: cannot be combined with batch_invariant: true" in error_of(
+        {"engine": {"compile": True, "batch_invariant": True}})
+
+
 def test_draft_len_schedule():
     spec = config_from_dict({"speculative_config": {"decoding_type": "ngram", "max_draft_len": 6,
                                                     "draft_len_schedule": {1: 6, 4: 3, 16: 0}}}).speculative_config

@@ -28,6 +28,7 @@ from ..config import EngineConfig, SpeculativeConfig
 from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..errors import RequestError
 from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
+from ..kernels.cpu import kernels_take_every_layer
 from ..kvcache import HiddenStateCache, KVCacheManager, PagedKVCache
 from ..sampler import (Verdict, apply_repetition_penalty, probs_from_logits, verify_greedy, verify_greedy_batch,
                        verify_sampled)
@@ -46,6 +47,17 @@ def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve_batch_invariant(config: EngineConfig, target: TargetModel) -> bool:
+    """``engine.batch_invariant`` as the engine runs it: ``auto`` is on for a bfloat16 CPU
+    target, neither compiled nor quantized, whose every layer specdec's CPU kernels take
+    (:func:`specdec.kernels.cpu.kernels_take_every_layer`: on CPUs without bfloat16
+    instructions), where the mode was measured to cost what stock numerics cost."""
+    if config.batch_invariant != "auto":
+        return config.batch_invariant
+    return (target.device.type == "cpu" and target.dtype == torch.bfloat16 and not config.compile
+            and config.quantization is None and kernels_take_every_layer(target.model, target.layer_shapes))
 
 
 @attrs.define
@@ -115,16 +127,19 @@ class Engine:
         self._shape_for_batch = functools.cache(spec.draft_shape_for_batch) if spec is not None else None
         self.planner = (DraftPlanner(self._nodes_for_depth, spec.probe_interval)
                         if spec is not None and spec.is_adaptive else None)
-        target.set_linear_forwards(config.batch_invariant, config.prepack_weights and not config.compile)
+        #: the batch-invariant numerics mode, ``engine.batch_invariant`` resolved
+        self.batch_invariant = resolve_batch_invariant(config, target)
+        log.info("engine.batch_invariant: %s (%s)", "on" if self.batch_invariant else "off", config.batch_invariant)
+        target.set_linear_forwards(self.batch_invariant, config.prepack_weights and not config.compile)
         if config.compile:
             target.compile()
             self._warm_up_compiled()
         # the torch attentions pad a batch's sequences to the widest, the kernels do not; the
         # batch-invariant torch attention also runs a step's draft trees as a batch of their own
-        attention_is_kernel = (invariant_attention_is_kernel(target.device) if config.batch_invariant
+        attention_is_kernel = (invariant_attention_is_kernel(target.device) if self.batch_invariant
                                else paged_attention_is_triton(target.device))
         self._padded_attention = not attention_is_kernel
-        self._tree_batch = config.batch_invariant and not attention_is_kernel
+        self._tree_batch = self.batch_invariant and not attention_is_kernel
         self._warned: set[str] = set()
         #: drafter faults by kind (the requests' ``num_drafter_faults`` summed).
         self.drafter_faults: dict[str, int] = {}
@@ -371,7 +386,7 @@ class Engine:
                                  self.kv.block_size, device)
         return self.target.forward(torch.tensor(tokens, device=device), layout.query_positions,
                                    ForwardMetadata(cache=self.kv.cache, layout=layout,
-                                                   batch_invariant=self.config.batch_invariant),
+                                                   batch_invariant=self.batch_invariant),
                                    torch.tensor(rows, device=device, dtype=torch.long))
 
     def _greedy_verdicts(self, items: list[_Item], logits: torch.Tensor) -> dict[int, Verdict]:
