@@ -222,9 +222,9 @@ class EngineConfig:
             bfloat16 too (:mod:`specdec.kernels.invariant`). ``auto`` (the default) turns it on
             where it was measured to cost nothing: a bfloat16 target on a CPU without
             bfloat16 instructions (AVX2) whose every product and attention specdec's C++
-            kernels take, not compiled or quantized (ngram 0.98x and 0.99x of its
-            stock-numerics speed at batch 1 and 8 on an AVX2 EPYC; a 512-token prompt chunk
-            1.15x dearer); elsewhere off, since the cost on AVX-512 CPUs at batch 8 and on
+            kernels take, not compiled or quantized (on an AVX2 EPYC plain decoding ran 1.04x
+            and 1.08x of its stock-numerics speed at batch 1 and 8, a 512-token prompt chunk
+            0.94x of the stock time); elsewhere off, since the cost on AVX-512 CPUs at batch 8 and on
             CUDA is not measured with the kernels
             (:func:`specdec.executor.engine.resolve_batch_invariant`,
             BENCHMARKS.md "Bit-exact bfloat16"). ``true`` or ``false`` decides it.

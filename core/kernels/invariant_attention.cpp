@@ -1,12 +1,14 @@
 // Batch-invariant attention on the CPU (specdec.kernels.cpu): the contract of
 // invariant_attention_triton, one key row per token (AttentionLayout.invariant_key_rows).
 //
-// Each (token, KV head) is one work item: its query heads walk the token's own key row in
-// column order; scores, softmax and the weighted sum of values in float32, every addition
-// in a fixed order (a dot product's element i into lane i % LANES, the lanes added
-// pairwise; key j's weight into lane j % LANES; values summed in key order). Nothing a
-// token computes depends on which or how many other tokens share the call, nor on how the
-// work is split across threads.
+// Each query head of a token walks the token's own key row in column order; scores, softmax
+// and the weighted sum of values in float32, every addition in a fixed order (a dot
+// product's element i into lane i % LANES, the lanes added pairwise; key j's weight into
+// lane j % LANES; values summed in key order). A work item is a KV head of one token, or of
+// a tile of consecutive tokens sharing one row (a prompt chunk's, a draft chain's), which
+// widens that row to float once for all of them: the same numbers, since widening is exact.
+// Nothing a token computes depends on which or how many other tokens share the call, nor on
+// how the work is split across threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -147,58 +149,110 @@ inline float exp_nonpositive(float x) {
   return y * scale;
 }
 
+// One query head of one token over its key row (k_rows padded with zero keys to whole
+// blocks of LANES, v_rows the row's n values), into out. R is the rows' element type: the
+// pool's own, or float where a tile of tokens widened its shared row once (the same
+// numbers: widening a bfloat16 or half is exact).
+template <int64_t DIM, typename R, typename T>
+inline void attend_query(const float* q, const R* const* k_rows, const R* const* v_rows, int64_t n, int64_t dim,
+                         int64_t dim_v, float scale, float softcap, int64_t window, int64_t query_pos,
+                         const int64_t* key_pos, float* s, float* acc, T* out) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const int64_t blocks = (n + LANES - 1) / LANES;
+  for (int64_t b = 0; b < blocks; ++b) store_lanes(s + b * LANES, block_scores<DIM>(q, k_rows + b * LANES, dim) * scale);
+  if (softcap > 0.0f)
+    for (int64_t j = 0; j < n; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
+  // a key outside the sliding window weighs nothing (its place in the row stays the one
+  // plain decoding gives it); nor do the last block's missing keys
+  if (window > 0)
+    for (int64_t j = 0; j < n; ++j)
+      if (query_pos - key_pos[j] >= window) s[j] = -inf;
+  for (int64_t j = n; j < blocks * LANES; ++j) s[j] = -inf;
+  lanes_t top = load_lanes(s);
+  for (int64_t b = 1; b < blocks; ++b) {
+    const lanes_t x = load_lanes(s + b * LANES);
+    top = x > top ? x : top;
+  }
+  float m = top[0];
+  for (int64_t l = 1; l < LANES; ++l) m = top[l] > m ? top[l] : m;
+  for (int64_t j = 0; j < blocks * LANES; ++j) {
+    const float e = exp_nonpositive(s[j] - m);
+    s[j] = s[j] == -inf ? 0.0f : e;
+  }
+  lanes_t total = {};
+  for (int64_t b = 0; b < blocks; ++b) total += load_lanes(s + b * LANES);
+  const float inv = 1.0f / reduce_lanes(total);
+  weigh_values<DIM>(s, v_rows, n, dim_v, acc);
+  for (int64_t d = 0; d < dim_v; ++d) out[d] = static_cast<T>(acc[d] * inv);
+}
+
+// Most tokens of a tile: the consecutive tokens that share one key row (a causal sequence's
+// queries; each sees the row's first count[t] keys) are one work item, whose row is widened
+// to float once for all of them and their query heads.
+constexpr int64_t TILE = 16;
+
 template <typename T, int64_t DIM>
 void attend(const float* query, const T* keys, const T* values, T* out, const int64_t* slots,
             const int64_t* key_pos, const int64_t* offset, const int64_t* count, const int64_t* query_pos,
             int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t dim_v, int64_t key_stride,
             int64_t value_stride, float scale, float softcap, int64_t window) {
   const int64_t rep = heads / kv_heads;
-  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<int64_t> tiles;  // first token of each tile, then tokens
+  for (int64_t t = 0; t < tokens; ++t)
+    if (t == 0 || offset[t] != offset[t - 1] || t - tiles.back() == TILE) tiles.push_back(t);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  tiles.push_back(tokens);
+  // items in zigzag order over the tiles (first, last, second, second to last, ...): a
+  // prompt chunk's later tiles have longer rows, and each thread takes a contiguous range
+  std::vector<int64_t> order(num_tiles);
+  for (int64_t i = 0; i < num_tiles; ++i) order[i] = i % 2 ? num_tiles - 1 - i / 2 : i / 2;
   const std::vector<T> zeros(dim);  // the key of a block's missing columns
-  at::parallel_for(0, tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<float> zeros_wide(dim);
+  at::parallel_for(0, num_tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<const T*> k_rows, v_rows;
-    std::vector<float> scores, acc(dim_v);
+    std::vector<const float*> k_wide, v_wide;
+    std::vector<float> scores, acc(dim_v), k_buf, v_buf;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / kv_heads, g = item % kv_heads, n = count[t];
-      const int64_t blocks = (n + LANES - 1) / LANES;
-      const int64_t* row_slots = slots + offset[t];
-      k_rows.assign(blocks * LANES, zeros.data());
-      v_rows.resize(n);
-      for (int64_t j = 0; j < n; ++j) {
-        k_rows[j] = keys + row_slots[j] * key_stride + g * dim;
-        v_rows[j] = values + row_slots[j] * value_stride + g * dim_v;
+      const int64_t tile = order[item / kv_heads], g = item % kv_heads;
+      const int64_t first = tiles[tile], last = tiles[tile + 1];
+      int64_t longest = 0;
+      for (int64_t t = first; t < last; ++t) longest = count[t] > longest ? count[t] : longest;
+      const int64_t* row_slots = slots + offset[first];
+      scores.resize((longest + LANES - 1) / LANES * LANES);
+      if (last - first == 1) {
+        const int64_t t = first, n = count[t];
+        k_rows.assign((n + LANES - 1) / LANES * LANES, zeros.data());
+        v_rows.resize(n);
+        for (int64_t j = 0; j < n; ++j) {
+          k_rows[j] = keys + row_slots[j] * key_stride + g * dim;
+          v_rows[j] = values + row_slots[j] * value_stride + g * dim_v;
+        }
+        for (int64_t h = g * rep; h < (g + 1) * rep; ++h)
+          attend_query<DIM>(query + (t * heads + h) * dim, k_rows.data(), v_rows.data(), n, dim, dim_v, scale,
+                            softcap, window, query_pos[t], key_pos + offset[t], scores.data(), acc.data(),
+                            out + (t * heads + h) * dim_v);
+        continue;
       }
-      scores.resize(blocks * LANES);
-      float* s = scores.data();
-      for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
-        const float* q = query + (t * heads + h) * dim;
-        for (int64_t b = 0; b < blocks; ++b)
-          store_lanes(s + b * LANES, block_scores<DIM>(q, k_rows.data() + b * LANES, dim) * scale);
-        if (softcap > 0.0f)
-          for (int64_t j = 0; j < n; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
-        // a key outside the sliding window weighs nothing (its place in the row stays the
-        // one plain decoding gives it); nor do the last block's missing keys
-        if (window > 0)
-          for (int64_t j = 0; j < n; ++j)
-            if (query_pos[t] - key_pos[offset[t] + j] >= window) s[j] = -inf;
-        for (int64_t j = n; j < blocks * LANES; ++j) s[j] = -inf;
-        lanes_t top = load_lanes(s);
-        for (int64_t b = 1; b < blocks; ++b) {
-          const lanes_t x = load_lanes(s + b * LANES);
-          top = x > top ? x : top;
+      k_buf.resize(longest * dim);
+      v_buf.resize(longest * dim_v);
+      for (int64_t j = 0; j < longest; ++j) {
+        const T* k = keys + row_slots[j] * key_stride + g * dim;
+        const T* v = values + row_slots[j] * value_stride + g * dim_v;
+        for (int64_t d = 0; d < dim; ++d) k_buf[j * dim + d] = static_cast<float>(k[d]);
+        for (int64_t d = 0; d < dim_v; ++d) v_buf[j * dim_v + d] = static_cast<float>(v[d]);
+      }
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t n = count[t];
+        k_wide.assign((n + LANES - 1) / LANES * LANES, zeros_wide.data());
+        v_wide.resize(n);
+        for (int64_t j = 0; j < n; ++j) {
+          k_wide[j] = k_buf.data() + j * dim;
+          v_wide[j] = v_buf.data() + j * dim_v;
         }
-        float m = top[0];
-        for (int64_t l = 1; l < LANES; ++l) m = top[l] > m ? top[l] : m;
-        for (int64_t j = 0; j < blocks * LANES; ++j) {
-          const float e = exp_nonpositive(s[j] - m);
-          s[j] = s[j] == -inf ? 0.0f : e;
-        }
-        lanes_t total = {};
-        for (int64_t b = 0; b < blocks; ++b) total += load_lanes(s + b * LANES);
-        const float inv = 1.0f / reduce_lanes(total);
-        weigh_values<DIM>(s, v_rows.data(), n, dim_v, acc.data());
-        T* o = out + (t * heads + h) * dim_v;
-        for (int64_t d = 0; d < dim_v; ++d) o[d] = static_cast<T>(acc[d] * inv);
+        for (int64_t h = g * rep; h < (g + 1) * rep; ++h)
+          attend_query<DIM>(query + (t * heads + h) * dim, k_wide.data(), v_wide.data(), n, dim, dim_v, scale,
+                            softcap, window, query_pos[t], key_pos + offset[t], scores.data(), acc.data(),
+                            out + (t * heads + h) * dim_v);
       }
     }
   });
