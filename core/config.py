@@ -129,6 +129,12 @@ class SpeculativeConfig:
         return self.max_total_draft_tokens or self.max_draft_len
 
     @property
+    def chain_or_tree(self) -> bool:
+        """Whether the drafter may be asked for a chain in place of its tree (see
+        :attr:`TreeDraftConfig.chain_or_tree`)."""
+        return False
+
+    @property
     def is_adaptive(self) -> bool:
         """Whether the adaptive planner chooses draft depths (no manual rule given)."""
         return self.adaptive and not self.draft_len_schedule and self.min_acceptance_rate == 0
@@ -159,7 +165,8 @@ class TreeDraftConfig(SpeculativeConfig):
         use_dynamic_tree: each level expands the ``dynamic_tree_max_topK`` best frontier
             nodes (by cumulative log-probability) into their as many best children; after
             ``max_draft_len`` levels the ``max_total_draft_tokens`` (default 16) best nodes
-            are verified.
+            are verified. With ``adaptive`` on, the planner may ask for the chain instead,
+            step by step and request by request, where it pays more (:attr:`chain_or_tree`).
         dynamic_tree_max_topK: children per expanded node and nodes expanded per level.
     """
 
@@ -170,6 +177,13 @@ class TreeDraftConfig(SpeculativeConfig):
         """The method's static tree in TensorRT-LLM's notation (EAGLE's ``eagle_choices``),
         None for none."""
         return None
+
+    @property
+    def chain_or_tree(self) -> bool:
+        """A dynamic tree's drafter grows a chain when it is given no more nodes than
+        levels, so the adaptive planner chooses, each step and request, between the chain
+        and the tree (:class:`specdec.executor.draft_planner.DraftPlanner`)."""
+        return self.use_dynamic_tree
 
     def node_budget(self) -> int:
         if self.max_total_draft_tokens:

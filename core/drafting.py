@@ -25,6 +25,27 @@ if TYPE_CHECKING:
 SiblingSampling = Literal["deterministic", "iid", "without_replacement"]
 
 
+#: :attr:`DraftProposal.kind` of an EAGLE-2 dynamic tree, whose drafter would grow a chain
+#: of the same depth when asked for no more nodes than levels: the adaptive planner keeps
+#: one acceptance estimate for the trees and one for the chains, to choose between them.
+#: Such a tree lists each node's children from the likeliest down, so its chain is the
+#: path of first children (:func:`first_child_path`), and verifying the tree also tells
+#: how far the chain would have been accepted.
+TREE_KIND = "tree"
+
+
+def first_child_path(parents: list[int]) -> list[int]:
+    """The nodes reached from the root by taking the first child each time (parents first)."""
+    path, first = [], {}
+    for node, parent in enumerate(parents):
+        first.setdefault(parent, node)
+    node = first.get(-1)
+    while node is not None:
+        path.append(node)
+        node = first.get(node)
+    return path
+
+
 @attrs.define
 class DraftProposal:
     """Draft tokens for one request: a chain or a tree rooted at its last committed token.

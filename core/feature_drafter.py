@@ -78,9 +78,10 @@ class FeatureDrafter(Drafter):
     def expansion(self, request, depth: int, nodes: int) -> Expansion:
         """How this request's draft grows this step (at most ``depth`` levels, ``nodes``
         nodes): as the config's :class:`~specdec.config.TreeDraftConfig` options say, a
-        chain where it has none."""
+        chain where it has none; a dynamic tree given no more nodes than levels is the
+        chain (what the adaptive planner asks for where the chain pays more)."""
         config = self.config
-        if isinstance(config, TreeDraftConfig) and config.use_dynamic_tree:
+        if isinstance(config, TreeDraftConfig) and config.use_dynamic_tree and nodes > depth:
             return DynamicExpansion(config.dynamic_tree_max_topK, depth, nodes)
         if self.static_tree is not None:
             return StaticExpansion(self.static_tree.trimmed(depth, nodes))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .drafting import DraftProposal
+from .drafting import TREE_KIND, DraftProposal
 from .sampler import pick_draft_token
 from .tree import DynamicTree, StaticTree
 
@@ -103,4 +103,7 @@ class DynamicExpansion(Expansion):
 
     def proposal(self):
         self.tokens, self.parents, _ = self.tree.rerank(self.budget)
-        return super().proposal()
+        proposal = super().proposal()
+        if proposal is not None:
+            proposal.kind = TREE_KIND
+        return proposal

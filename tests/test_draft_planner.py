@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+import torch
 
 from specdec import LLM, SamplingParams, hookimpl, testing
 from specdec.drafting import DraftProposal
@@ -350,7 +351,7 @@ def test_probes_back_off_while_they_fail_and_reset_when_drafts_pay():
     waits, since = [], 0
     for _ in range(130):  # steps: plan, and the engine's bookkeeping of a step without drafts
         planner.observe_step(1, 0.0, 1.0, 1)
-        (depth,) = planner.plan([req], [(4, 4)], shape)
+        ((depth, _),) = planner.plan([req], [(4, 4)], shape)
         if depth:
             waits.append(since)
             since = 0
@@ -364,7 +365,7 @@ def test_probes_back_off_while_they_fail_and_reset_when_drafts_pay():
     assert waits[:5] == [4, 8, 16, 32, 32]  # doubling, up to 8x probe_interval
     for _ in range(10):
         planner.observe(req, None, depth=4, accepted=4)
-    (depth,) = planner.plan([req], [(4, 4)], shape)
+    ((depth, _),) = planner.plan([req], [(4, 4)], shape)
     assert depth == 4
     (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * 4)], shape)
     assert kept.depth == 4 and req.probe_after == 0  # drafts pay again: probes back to the default
@@ -385,7 +386,7 @@ def probing_run(probe_share: float, steps: int = 400) -> tuple[float, float, set
             planner.observe(req, None, depth=4, accepted=0)
     spent, elapsed, probed = 0.0, 0.0, set()
     for _ in range(steps):
-        depths = planner.plan(reqs, [(4, 4)] * 8, shape)
+        depths = [d for d, _ in planner.plan(reqs, [(4, 4)] * 8, shape)]
         proposals = [DraftProposal(token_ids=[5] * d, aux_token_ids=[7] * 15, aux_position_offsets=list(range(15)))
                      if d else None for d in depths]
         kept = planner.trim(reqs, proposals, shape)
@@ -419,7 +420,7 @@ def test_the_probe_share_halves_while_probes_do_not_pay_and_comes_back_when_draf
     shares = []
     for _ in range(400):
         planner.observe_step(1, 0.0, 1.0, 1)
-        (depth,) = planner.plan([req], [(4, 4)], shape)
+        ((depth, _),) = planner.plan([req], [(4, 4)], shape)
         if depth:
             shares.append(planner.probe_share_now)
             (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * depth)], shape)
@@ -452,7 +453,7 @@ def test_warm_ups_bringing_aux_tokens_only_spend_at_most_the_probe_share(probe_s
     shape = StepShape([(10, 1)] * 8, padded=False)
     spent, elapsed, warmed, asked = 0.0, 0.0, collections.Counter(), 0
     for _ in range(400):
-        depths = planner.plan(reqs, [(4, 4)] * 8, shape)
+        depths = [d for d, _ in planner.plan(reqs, [(4, 4)] * 8, shape)]
         asked += sum(d > 0 for d in depths)
         proposals = [DraftProposal(token_ids=[], aux_token_ids=[7] * 15, aux_position_offsets=list(range(1, 16)))
                      if d else None for d in depths]
@@ -496,7 +497,7 @@ def test_a_drafter_that_rarely_has_a_draft_is_asked_only_where_asking_is_cheap()
     from specdec.executor.draft_planner import StepShape
 
     class DearDrafting(SyntheticCosts):
-        def draft_seconds(self, depth):
+        def draft_seconds(self, depth, trees=False):
             return 0.3 * depth  # each drafted level costs 30% of a step
 
     shape = StepShape([(10, 1)], padded=True)
@@ -506,7 +507,7 @@ def test_a_drafter_that_rarely_has_a_draft_is_asked_only_where_asking_is_cheap()
             planner.observe(req, None, depth=4, accepted=4)  # its drafts are always right...
             planner.observe_asks([req], [None])  # ...but it rarely has one
         assert req.draft_stats.draft_rate() < 0.2
-        assert planner.plan([req], [(4, 4)], shape) == [expected]
+        assert planner.plan([req], [(4, 4)], shape) == [(expected, expected)]
 
 
 def test_prompt_chunks_are_no_jump_for_the_cost_model(tiny_models):
@@ -533,3 +534,63 @@ def test_prompt_chunks_are_no_jump_for_the_cost_model(tiny_models):
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert all(widest == decode_widest for _, decode_widest, widest in seen)  # drafts or not
     assert sum(prefill and widest == 1 for prefill, _, widest in seen) >= 5  # 16-token chunks of 104 tokens
+
+
+def test_a_dynamic_tree_drafter_gets_the_chain_or_the_tree_whichever_pays_more_for_the_request():
+    """With ``chain_or_tree`` the planner keeps one estimate for the trees (``TREE_KIND``)
+    and one for the chains, and asks each request for the shape that pays more: a request
+    whose chains are accepted deep gets a chain (a tree's extra nodes would cost more than
+    they add); one whose chains fail early but whose trees hold the right token gets the
+    tree; the answer is (depth, nodes) with nodes == depth for a chain."""
+    from specdec.drafting import TREE_KIND
+    from specdec.executor.draft_planner import DraftPlanner, StepShape
+
+    planner = DraftPlanner(nodes_for_depth=lambda depth: 3 * depth + 1, probe_interval=4, chain_or_tree=True)
+    planner.costs = CheapTokens()
+    copying, guessing, fresh = request("copying"), request("guessing"), request("fresh")
+    for _ in range(40):
+        planner.request_stats(copying).observe(None, depth=3, accepted=3)  # its chains: all accepted
+        planner.request_stats(copying).observe(TREE_KIND, depth=3, accepted=3)  # trees accept no more
+        planner.request_stats(guessing).observe(None, depth=3, accepted=0)  # its chains fail at once...
+        planner.request_stats(guessing).observe(TREE_KIND, depth=3, accepted=3)  # ...a sibling is right
+    shape = StepShape([(10, 1)], padded=True)
+    assert planner.plan([copying], [(3, 10)], shape) == [(3, 3)]
+    assert planner.plan([guessing], [(3, 10)], shape) == [(3, 10)]
+    assert planner.plan([copying, guessing], [(3, 10)] * 2, StepShape([(10, 1)] * 2, padded=True)) == [(3, 3), (3, 10)]
+    # a request with no evidence of either starts with the same guess for both: the chain
+    # brings as much for fewer nodes; once its chains fail, the tree is tried
+    assert planner.plan([fresh], [(3, 10)], shape) == [(3, 3)]
+    for _ in range(10):
+        planner.request_stats(fresh).observe(None, depth=3, accepted=0)
+    ((depth, nodes),) = planner.plan([fresh], [(3, 10)], shape)
+    assert nodes > depth > 0
+    # without chain_or_tree (static trees, Medusa): the tree, its nodes from the depth
+    plain = DraftPlanner(nodes_for_depth=lambda depth: 3 * depth + 1, probe_interval=4)
+    plain.costs = CheapTokens()
+    plain.request_stats(copying).counts = planner.request_stats(copying).counts
+    assert plain.plan([copying], [(3, 10)], shape) == [(3, 10)]
+
+
+def test_chains_and_trees_are_timed_apart_when_drafted():
+    costs = StepCostModel()
+    costs.observe_draft(2, 0.004, trees=True)
+    assert costs.draft_seconds(2) == costs.draft_seconds(2, trees=True) == pytest.approx(0.004)  # chains not timed yet
+    costs.observe_draft(2, 0.002)
+    assert costs.draft_seconds(3) == pytest.approx(0.003)
+    assert costs.draft_seconds(3, trees=True) == pytest.approx(0.006)
+
+
+def test_the_chain_inside_a_dynamic_tree_is_its_path_of_first_children():
+    """A dynamic tree lists children likeliest first (``DynamicTree.expand`` adds top-k in
+    order, ``rerank`` keeps node order), so its chain is the path of first children: what
+    the engine counts as the chain's acceptance when it verifies the tree."""
+    from specdec.drafting import first_child_path
+    from specdec.tree import DynamicTree
+
+    tree = DynamicTree(top_k=2)
+    tree.expand(torch.log_softmax(torch.tensor([[0.0, 3.0, 2.0, -1.0]]), -1))  # root: tokens 1, then 2
+    tree.expand(torch.log_softmax(torch.tensor([[4.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 5.0]]), -1))
+    tokens, parents, _ = tree.rerank(5)
+    assert [tokens[n] for n in first_child_path(parents)] == [1, 0]  # the argmax at each level
+    assert first_child_path([-1, -1, 0, 1, 2]) == [0, 2, 4]
+    assert first_child_path([]) == []

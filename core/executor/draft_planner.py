@@ -13,6 +13,12 @@ no table to tune):
   length, say), from counts that decay so the estimate follows the request; a request's
   estimate leans on the engine-wide one of the same kind until it has its own evidence.
 
+Where the drafter grows an EAGLE-2 dynamic tree and would grow a chain when asked for no
+more nodes than levels (``chain_or_tree``), each request gets the tree or the chain,
+whichever pays more by its own estimates (trees are :data:`~specdec.drafting.TREE_KIND`;
+the engine also counts, for each verified tree, how far its chain would have gone), so
+that the choice is not biased by where each was tried.
+
 :func:`best_depths` adds draft positions one at a time, the best expected gain per node
 first over all requests, and keeps the prefix with the highest expected tokens per second.
 :class:`DraftPlanner` runs it twice per step: before drafting, to tell each drafter the
@@ -39,12 +45,14 @@ decode step's time at batch 1, were 31 of 1,308 steps on the diverse set, 11 sin
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Callable, Hashable
 
 import attrs
 
+from ..drafting import TREE_KIND
 from ..kernels.layout import TREE_BATCH_PAIRS, padded_group_cost, padded_groups
 
 #: the attention work of a step's draft trees run as a batch of their own, in thousands of pairs
@@ -98,7 +106,7 @@ class StepCostModel:
         self.yty = 0.0
         self.num_steps = 0
         self._coefficients: tuple[float, float, float, float] | None = None
-        self.draft_level_seconds = 0.0
+        self.draft_level_seconds = {False: 0.0, True: 0.0}  # chains, trees
 
     def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int | None = None) -> None:
         """A step of ``num_tokens`` target tokens, ``widest`` of them in one sequence
@@ -160,18 +168,22 @@ class StepCostModel:
     def step_seconds(self, num_tokens: int, work: float = 0.0, widest: int | None = None) -> float:
         return sum(c * x for c, x in zip(self.coefficients(), self._features(num_tokens, work, widest)))
 
-    def observe_draft(self, depth: int, seconds: float) -> None:
-        """A drafting call that asked for ``depth`` levels at most took ``seconds``."""
+    def observe_draft(self, depth: int, seconds: float, trees: bool = False) -> None:
+        """A drafting call that asked for ``depth`` levels at most took ``seconds``
+        (``trees``: some request was asked for more nodes than levels). Chains and trees
+        are timed apart: a dynamic tree's level drafts several rows and ranks them."""
         if depth < 1:
             return
         per_level = seconds / depth
-        if self.draft_level_seconds == 0.0:
-            self.draft_level_seconds = per_level
+        if self.draft_level_seconds[trees] == 0.0:
+            self.draft_level_seconds[trees] = per_level
         else:
-            self.draft_level_seconds += self.smoothing * (per_level - self.draft_level_seconds)
+            self.draft_level_seconds[trees] += self.smoothing * (per_level - self.draft_level_seconds[trees])
 
-    def draft_seconds(self, depth: int) -> float:
-        return self.draft_level_seconds * depth
+    def draft_seconds(self, depth: int, trees: bool = False) -> float:
+        """Drafting time of ``depth`` levels; a kind not timed yet is priced as the other."""
+        per_level = self.draft_level_seconds[trees] or self.draft_level_seconds[not trees]
+        return per_level * depth
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -392,8 +404,10 @@ class DraftPlanner:
     which drafting costs in the target forward whatever depth is verified.
     """
 
-    def __init__(self, nodes_for_depth: Callable[[int], int], probe_interval: int, probe_share: float = 0.03):
+    def __init__(self, nodes_for_depth: Callable[[int], int], probe_interval: int, probe_share: float = 0.03,
+                 chain_or_tree: bool = False):
         self.nodes_for_depth = nodes_for_depth
+        self.chain_or_tree = chain_or_tree
         self.probe_interval = probe_interval
         self.probe_share = probe_share
         self.probe_credit = 0.0  # seconds probes may still spend: a share of every step's estimate
@@ -467,38 +481,84 @@ class DraftPlanner:
         return lambda tokens, widest, drafting: self.costs.step_seconds(
             tokens, shape.work_at(tokens, widest, drafting, trees), widest)
 
-    def plan(self, reqs: list, caps: list[tuple[int, int]], shape: StepShape) -> list[int]:
-        """The depth to ask each request's drafter for, within ``caps`` (depth, nodes): the
-        best for each request's most promising kind of draft, should the drafter propose
-        one, with what asking costs (drafting time, aux tokens) divided by the chance that
-        it does. A request due for a probe is asked for one level."""
-        options, hits = [], []
+    def plan(self, reqs: list, caps: list[tuple[int, int]], shape: StepShape) -> list[tuple[int, int]]:
+        """The (depth, nodes) to ask each request's drafter for, within ``caps`` (depth,
+        nodes): the best depth for each request's most promising kind of draft, should the
+        drafter propose one, with what asking costs (drafting time, aux tokens) divided by
+        the chance that it does; where the drafter may grow a chain in place of its tree
+        (``chain_or_tree``), whichever of the two pays more for this request
+        (:meth:`_chain_or_tree`). A request due for a probe is asked for one level (a
+        chain, where one may be asked for)."""
+        candidates, hits = [], []
         self._probing = set()
         for req, (depth, nodes) in zip(reqs, caps):
             stats = self.request_stats(req)
             hit = max(stats.draft_rate(), 0.05)
             hits.append(hit)
-            gains = max((stats.curve(kind, depth) for kind in stats.kinds() or {None}), key=sum)
             aux = round(self.aux_tokens / hit)
-            options.append(DraftOption(gains, [0] + [min(self.nodes_for_depth(j), nodes) + aux
-                                                     for j in range(1, depth + 1)]))
+            tree_nodes = [0] + [min(self.nodes_for_depth(j), nodes) + aux for j in range(1, depth + 1)]
+            if self.chain_or_tree and tree_nodes[-1] > depth + aux:
+                candidates.append([DraftOption(stats.curve(TREE_KIND, depth), tree_nodes),
+                                   DraftOption(stats.curve(None, depth), [j + aux for j in range(depth + 1)])])
+                continue
+            gains = max((stats.curve(kind, depth) for kind in stats.kinds() or {None}), key=sum)
+            candidates.append([DraftOption(gains, tree_nodes)])
         mean_hit = sum(hits) / len(hits) if hits else 1.0
-        step = self.step_seconds(shape, trees=any(opt.nodes[j] > j for opt in options for j in range(len(opt.nodes))))
-        depths = best_depths(options, shape.tokens, step, lambda depth: self.costs.draft_seconds(depth) / mean_hit)
+        chains = self._chain_or_tree(candidates, shape, mean_hit)
+        options = [c[1] if chain else c[0] for c, chain in zip(candidates, chains)]
+        trees = any(opt.nodes[j] > j for opt in options for j in range(len(opt.nodes)))
+        step = self.step_seconds(shape, trees)
+        depths = best_depths(options, shape.tokens, step,
+                             functools.partial(self._drafting_seconds, trees=trees, hit=mean_hit))
         load = _StepLoad(shape.tokens, options, depths)
         off = [i for i in range(len(reqs)) if depths[i] == 0 and caps[i][0] > 0]
         for i in self._overdue_first(reqs, off):
-            extra = min(self.nodes_for_depth(1), caps[i][1]) + round(self.aux_tokens)
+            extra = (1 if self.chain_or_tree else min(self.nodes_for_depth(1), caps[i][1])) + round(self.aux_tokens)
             drafting_cost = 0.0 if load.drafting else self.costs.draft_seconds(1)
             if self._afford_probe(load.extra_seconds(step, extra) + drafting_cost):
                 load.add(extra)
                 depths[i] = 1
+                chains[i] = self.chain_or_tree
                 self._probed(reqs[i])
                 self._probing.add(id(reqs[i]))
         for i in off:
             if depths[i] == 0:
                 reqs[i].metrics.num_steps_speculation_off += 1
-        return depths
+        return [(d, d if chain else min(self.nodes_for_depth(d), nodes) if d else 0)
+                for d, chain, (_, nodes) in zip(depths, chains, caps)]
+
+    def _drafting_seconds(self, depth: int, trees: bool, hit: float) -> float:
+        """What asking for ``depth`` levels costs: drafting time over the chance of a draft."""
+        return self.costs.draft_seconds(depth, trees) / hit
+
+    def _chain_or_tree(self, candidates: list[list[DraftOption]], shape: StepShape, hit: float) -> list[bool]:
+        """For each request, whether its chain (the second of its ``candidates``) pays more
+        than its tree (the first), each priced alone in the step, as the only request
+        drafting, at the best depth for it. The tree's acceptance is learnt from the trees
+        verified (:data:`TREE_KIND`), the chain's from the chains: a tree holds more nodes
+        than the chain and is chosen while its estimate pays for them; an estimate not yet
+        verified starts at the same guess for both, so the tree is tried where the chain
+        does poorly."""
+        chains = [False] * len(candidates)
+        if not any(len(c) > 1 for c in candidates):
+            return chains
+        none = DraftOption([], [0])
+        for i, pair in enumerate(candidates):
+            if len(pair) < 2:
+                continue
+            rates = []
+            for opt in pair:
+                alone = [none] * len(candidates)
+                alone[i] = opt
+                tree = opt is pair[0]
+                step = self.step_seconds(shape, trees=tree)
+                drafting = functools.partial(self._drafting_seconds, trees=tree, hit=hit)
+                depth = best_depths(alone, shape.tokens, step, drafting)[i]
+                tokens = shape.tokens + opt.nodes[depth]
+                seconds = step(tokens, 1 + opt.nodes[depth], int(depth > 0)) + drafting(depth)
+                rates.append((len(candidates) + sum(opt.gains[:depth])) / seconds)
+            chains[i] = rates[1] >= rates[0]
+        return chains
 
     def trim(self, reqs: list, proposals: list, shape: StepShape) -> list:
         """The proposals cut to the depth each is worth verifying (None: none of it), from

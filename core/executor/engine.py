@@ -25,7 +25,8 @@ import pluggy
 import torch
 
 from ..config import EngineConfig, SpeculativeConfig
-from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
+from ..drafting import (TREE_KIND, DraftProposal, StepResult, TreeMask, first_child_path, proposal_problem,
+                        tree_mask_problem)
 from ..errors import RequestError
 from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
 from ..kernels.cpu import kernels_take_every_layer
@@ -125,7 +126,7 @@ class Engine:
         # (a Medusa tree's node count from its choice list took a millisecond a step at batch 8)
         self._nodes_for_depth = functools.cache(spec.nodes_for_depth) if spec is not None else None
         self._shape_for_batch = functools.cache(spec.draft_shape_for_batch) if spec is not None else None
-        self.planner = (DraftPlanner(self._nodes_for_depth, spec.probe_interval)
+        self.planner = (DraftPlanner(self._nodes_for_depth, spec.probe_interval, chain_or_tree=spec.chain_or_tree)
                         if spec is not None and spec.is_adaptive else None)
         #: the batch-invariant numerics mode, ``engine.batch_invariant`` resolved
         self.batch_invariant = resolve_batch_invariant(config, target)
@@ -271,8 +272,7 @@ class Engine:
         (``before_drafts``: the step's sequences, for the adaptive planner if there is one)."""
         shapes = [self._draft_shape(r, batch_size, a) for r, a in zip(reqs, allowances)]
         if self.planner is not None and self.hooks is not None:
-            depths = self.planner.plan(reqs, shapes, before_drafts)
-            shapes = [(d, min(n, self._nodes_for_depth(d))) for d, (_, n) in zip(depths, shapes)]
+            shapes = self.planner.plan(reqs, shapes, before_drafts)
         proposals: list[DraftProposal | None] = [None] * len(reqs)
         speculating = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
         spent = 0.0
@@ -291,7 +291,8 @@ class Engine:
                 got = None
             spent = time.perf_counter() - started
             if self.planner is not None:
-                self.planner.costs.observe_draft(max(shapes[i][0] for i in speculating), spent)
+                self.planner.costs.observe_draft(max(shapes[i][0] for i in speculating), spent,
+                                                 trees=any(shapes[i][1] > shapes[i][0] for i in speculating))
             answered = []  # requests whose drafter answered without a fault
             for i, prop in zip(speculating, got or []):
                 reqs[i].metrics.draft_time += spent / len(speculating)
@@ -458,7 +459,7 @@ class Engine:
                 accepted = len(res.accepted_nodes)
                 # a stop (EOS, stop string, length) inside the accepted drafts shortens the output
                 self.kv.commit(req, min(req.num_computed + 1 + accepted, len(req.token_ids) - 1))
-                self._record(req, res.proposal, accepted, len(out.new_token_ids))
+                self._record(req, res.proposal, res.accepted_nodes, len(out.new_token_ids))
             outputs.append(out)
         if self.hooks is not None:
             try:
@@ -508,12 +509,16 @@ class Engine:
             return verify_greedy(probs.argmax(-1).tolist(), prop)
         return verify_sampled(probs, prop, req.generator)
 
-    def _record(self, req: Request, prop: DraftProposal | None, accepted: int, emitted: int) -> None:
+    def _record(self, req: Request, prop: DraftProposal | None, accepted_nodes: list[int], emitted: int) -> None:
         depth = prop.depth if prop is not None else 0
+        accepted = len(accepted_nodes)
         req.metrics.record_step(depth, len(prop.token_ids) if prop is not None else 0, accepted, emitted)
         req.steps_without_drafts = 0 if depth else req.steps_without_drafts + 1
         if depth and self.planner is not None:
             self.planner.observe(req, prop.kind, depth, accepted)
+            if prop.kind == TREE_KIND and self.planner.chain_or_tree:  # and what its chain would have had
+                chain = first_child_path(prop.parents)
+                self.planner.observe(req, None, len(chain), sum(1 for a, c in zip(accepted_nodes, chain) if a == c))
         if depth == 0 or self.spec is None or self.spec.min_acceptance_rate <= 0:
             return
         req.recent_acceptance.append(accepted / depth)

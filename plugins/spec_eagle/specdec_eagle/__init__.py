@@ -12,7 +12,8 @@ Options (defaults in brackets; TensorRT-LLM's names):
     use_dynamic_tree [false], dynamic_tree_max_topK [4]: EAGLE-2: each level expands the
         topK best frontier nodes into their topK best children; after max_draft_len
         levels the max_total_draft_tokens [16] best nodes by cumulative log-probability
-        are verified.
+        are verified; with ``adaptive`` on, each step and request gets the tree or the
+        chain, whichever pays more by live estimates.
     eagle3_layers_to_capture [the checkpoint's, else 1, N/2-1, N-4]: target layers
         whose hidden states EAGLE-3 reads.
     draft_kv_cache_blocks [1024]: the head's KV pool, in blocks of 16 tokens.

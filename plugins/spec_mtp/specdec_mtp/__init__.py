@@ -12,7 +12,8 @@ Options (defaults in brackets; TensorRT-LLM's names):
     use_dynamic_tree [false], dynamic_tree_max_topK [4]: each level expands the topK best
         frontier nodes into their topK best children; after max_draft_len levels the
         max_total_draft_tokens [16] best nodes by cumulative log-probability are verified
-        (:class:`specdec.config.TreeDraftConfig`).
+        (:class:`specdec.config.TreeDraftConfig`); with ``adaptive`` on, each step and
+        request gets the tree or the chain, whichever pays more by live estimates.
     num_nextn_predict_layers [1]: modules used from the checkpoint. specdec drafts with
         the first (as SGLang does for DeepSeek); more would need a draft cache per module.
     draft_kv_cache_blocks [1024]: the module's KV pool, in blocks of 16 tokens.

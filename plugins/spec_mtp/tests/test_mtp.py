@@ -4,7 +4,7 @@ trees; sampled output follows the target's distribution."""
 
 import pytest
 
-from specdec import testing
+from specdec import LLM, testing
 from specdec_mtp import SHIPPED_MODULE
 
 #: A dynamic tree: depth 3, top-3 expansion, 10 nodes verified (benchmarks/mtp_tree.yaml).
@@ -35,3 +35,17 @@ def test_a_prompt_found_in_the_prefix_cache_drafts_as_when_computed():
     """The module reads every prompt token's hidden state: the engine hands it those of the
     cached prefix, so a repeated prompt drafts and accepts exactly as the first time."""
     testing.check_shipped_prefix_cache({"decoding_type": "mtp"})
+
+
+def test_the_adaptive_planner_drafts_chains_and_trees_without_changing_greedy_output():
+    """With a dynamic tree and the adaptive planner (on by default), each step and request
+    gets the chain or the tree, whichever the live estimates say pays more: on the check
+    prompts both shapes are verified, drafts are accepted, and the output is plain greedy."""
+    from specdec.drafting import TREE_KIND
+
+    spec = LLM(dtype="float32", speculative_config={"decoding_type": "mtp", **TREE})
+    got = spec.chat(testing.SHIPPED_CHECK_PROMPTS, testing.SHIPPED_CHECK_PARAMS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in testing.embedded_plain_chat()]
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+    verified = spec.engine.planner.stats.counts
+    assert TREE_KIND in verified and None in verified, verified.keys()
