@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import cattrs
@@ -164,7 +164,8 @@ class TreeDraftConfig(SpeculativeConfig):
     Attributes:
         use_dynamic_tree: each level expands the ``dynamic_tree_max_topK`` best frontier
             nodes (by cumulative log-probability) into their as many best children; after
-            ``max_draft_len`` levels the ``max_total_draft_tokens`` (default 16) best nodes
+            ``max_draft_len`` levels the ``max_total_draft_tokens`` (default
+            :attr:`dynamic_tree_nodes`, 16 unless the method says otherwise) best nodes
             are verified. With ``adaptive`` on, the planner may ask for the chain instead,
             step by step and request by request, where it pays more (:attr:`chain_or_tree`).
         dynamic_tree_max_topK: children per expanded node and nodes expanded per level.
@@ -172,6 +173,8 @@ class TreeDraftConfig(SpeculativeConfig):
 
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int = attrs.field(default=4, validator=in_range(1, 64))  # noqa: N815
+    #: nodes of a dynamic tree when ``max_total_draft_tokens`` is not given (per method)
+    dynamic_tree_nodes: ClassVar[int] = DYNAMIC_TREE_NODES
 
     def static_tree_choices(self) -> list[list[int]] | None:
         """The method's static tree in TensorRT-LLM's notation (EAGLE's ``eagle_choices``),
@@ -192,7 +195,7 @@ class TreeDraftConfig(SpeculativeConfig):
         if choices:
             return StaticTree.from_choices(choices).num_nodes
         if self.use_dynamic_tree:
-            return max(DYNAMIC_TREE_NODES, self.max_draft_len)
+            return max(self.dynamic_tree_nodes, self.max_draft_len)
         return self.max_draft_len
 
 

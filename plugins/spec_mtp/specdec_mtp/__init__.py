@@ -1,6 +1,7 @@
 """DeepSeek-style multi-token prediction (``mtp``): an MTP module over the target's last
-state drafts a chain, reused autoregressively up to ``max_draft_len``, or an EAGLE-2
-dynamic tree (as SGLang drafts DeepSeek's MTP with its EAGLE worker's top-k).
+state, reused autoregressively up to ``max_draft_len``, drafts an EAGLE-2 dynamic tree (as
+SGLang drafts DeepSeek's MTP with its EAGLE worker's top-k) or a chain, whichever the
+adaptive planner finds pays more for the request.
 
 Options (defaults in brackets; TensorRT-LLM's names):
     speculative_model [the target's own MTP layers when its config declares them
@@ -9,11 +10,14 @@ Options (defaults in brackets; TensorRT-LLM's names):
         Alias: speculative_model_dir.
     max_draft_len [3]: draft depth; one module drafts every depth, each step reading the
         state the step before produced.
-    use_dynamic_tree [false], dynamic_tree_max_topK [4]: each level expands the topK best
+    use_dynamic_tree [true], dynamic_tree_max_topK [3]: each level expands the topK best
         frontier nodes into their topK best children; after max_draft_len levels the
-        max_total_draft_tokens [16] best nodes by cumulative log-probability are verified
-        (:class:`specdec.config.TreeDraftConfig`); with ``adaptive`` on, each step and
-        request gets the tree or the chain, whichever pays more by live estimates.
+        max_total_draft_tokens [10] best nodes by cumulative log-probability are verified
+        (:class:`specdec.config.TreeDraftConfig`); with ``adaptive`` on (the default), each
+        step and request gets the tree or the chain, whichever pays more by live
+        estimates. ``use_dynamic_tree: false`` drafts chains only. Measured on the embedded
+        model (BENCHMARKS.md, MTP): acceptance 2.21 against the adaptive chain's 1.70 on
+        the open-ended built-in prompts, 1.58x plain against 1.34x.
     num_nextn_predict_layers [1]: modules used from the checkpoint. specdec drafts with
         the first (as SGLang does for DeepSeek); more would need a draft cache per module.
     draft_kv_cache_blocks [1024]: the module's KV pool, in blocks of 16 tokens.
@@ -51,6 +55,9 @@ THINKING_TOKENS = ("<think>", "</think>")
 @attrs.frozen(kw_only=True)
 class MTPConfig(TreeDraftConfig):
     max_draft_len: int = attrs.field(default=3, validator=in_range(1, 64))
+    use_dynamic_tree: bool = True
+    dynamic_tree_max_topK: int = attrs.field(default=3, validator=in_range(1, 64))  # noqa: N815
+    dynamic_tree_nodes = 10  # measured on the embedded model (BENCHMARKS.md, MTP)
     speculative_model: str | None = None
     num_nextn_predict_layers: int = attrs.field(default=1)
     draft_kv_cache_blocks: int = attrs.field(default=1024, validator=in_range(1, None))

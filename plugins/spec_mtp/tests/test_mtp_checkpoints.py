@@ -44,8 +44,8 @@ def _with_mtp_layer(tmp_path, arch="deepseek_v3", declare=True, write=True, seed
 
 def test_deepseek_v3_checkpoint_with_its_mtp_layer_loads_and_drafts_losslessly(tmp_path):
     model = _with_mtp_layer(tmp_path)
-    spec = testing.check_greedy_lossless({"decoding_type": "mtp", "max_draft_len": 3}, model=model, prompts=PROMPTS,
-                                         min_accepted=0)
+    spec = testing.check_greedy_lossless({"decoding_type": "mtp", "max_draft_len": 3, "use_dynamic_tree": False},
+                                         model=model, prompts=PROMPTS, min_accepted=0)
     assert sum(o.metrics.num_draft_tokens for o in spec) > 0
     llm = LLM(model=str(model), dtype="float32", speculative_config={"decoding_type": "MTP"})
     drafter = llm.drafter
@@ -149,5 +149,7 @@ def test_bad_options_name_their_path(option, value, message):
 def test_tree_options_survive_a_round_trip_and_size_the_node_budget():
     config = testing.check_config_round_trip({"decoding_type": "mtp", "use_dynamic_tree": True,
                                               "dynamic_tree_max_topK": 3})
-    assert config.node_budget() == 16  # a dynamic tree's default, as EAGLE's
-    assert testing.check_config_round_trip({"decoding_type": "mtp"}).node_budget() == 3  # a chain
+    assert config.node_budget() == 10  # mtp's dynamic tree default (EAGLE's: 16)
+    default = testing.check_config_round_trip({"decoding_type": "mtp"})
+    assert default.use_dynamic_tree and default.dynamic_tree_max_topK == 3 and default.chain_or_tree
+    assert testing.check_config_round_trip({"decoding_type": "mtp", "use_dynamic_tree": False}).node_budget() == 3
