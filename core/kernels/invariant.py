@@ -264,7 +264,10 @@ def invariant_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value
         n, blocks = kv_heads * rows, width // KEY_BLOCK
         # each KV head's query heads folded into rows: [kv_heads * R, height, dim] against [kv_heads * R, W, dim]
         q = queries.index_select(0, q_index).view(n, height, dim).float()
-        k = keys.index_select(0, kv_index).view(n, width, dim).float().transpose(1, 2)
+        # contiguous: for a single row (a decode alone), torch multiplies by a transposed
+        # operand with another kernel than for a batch of rows, which rounds differently on
+        # some CPUs (an AVX-512 FP16 Xeon, torch 2.13); a batch copied it anyway
+        k = keys.index_select(0, kv_index).view(n, width, dim).transpose(1, 2).contiguous().float()
         if softcap is None:
             scores = torch.baddbmm(bias, q, k, alpha=scale)
         else:
