@@ -535,10 +535,10 @@ class DraftPlanner:
         """For each request, whether its chain (the second of its ``candidates``) pays more
         than its tree (the first), each priced alone in the step, as the only request
         drafting, at the best depth for it. The tree's acceptance is learnt from the trees
-        verified (:data:`TREE_KIND`), the chain's from the chains: a tree holds more nodes
-        than the chain and is chosen while its estimate pays for them; an estimate not yet
-        verified starts at the same guess for both, so the tree is tried where the chain
-        does poorly."""
+        verified (:data:`TREE_KIND`), the chain's from the chains and from the chain inside
+        each verified tree (the engine's doing): a tree holds more nodes than the chain and
+        is chosen while its estimate pays for them; an estimate not yet verified starts at
+        the same guess for both, so the tree is tried where the chain does poorly."""
         chains = [False] * len(candidates)
         if not any(len(c) > 1 for c in candidates):
             return chains
