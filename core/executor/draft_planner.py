@@ -16,8 +16,8 @@ no table to tune):
 Where the drafter grows an EAGLE-2 dynamic tree and would grow a chain when asked for no
 more nodes than levels (``chain_or_tree``), each request gets the tree or the chain,
 whichever pays more by its own estimates (trees are :data:`~specdec.drafting.TREE_KIND`;
-the engine also counts, for each verified tree, how far its chain would have gone), so
-that the choice is not biased by where each was tried.
+:meth:`DraftPlanner.observe_verified` also counts, for each verified tree, how far its
+chain would have gone), so that the choice is not biased by where each was tried.
 
 :func:`best_depths` adds draft positions one at a time, the best expected gain per node
 first over all requests, and keeps the prefix with the highest expected tokens per second.
@@ -52,7 +52,7 @@ from collections.abc import Callable, Hashable
 
 import attrs
 
-from ..drafting import TREE_KIND
+from ..drafting import TREE_KIND, first_child_path
 from ..kernels.layout import TREE_BATCH_PAIRS, padded_group_cost, padded_groups
 
 #: the attention work of a step's draft trees run as a batch of their own, in thousands of pairs
@@ -536,12 +536,10 @@ class DraftPlanner:
         than its tree (the first), each priced alone in the step, as the only request
         drafting, at the best depth for it. The tree's acceptance is learnt from the trees
         verified (:data:`TREE_KIND`), the chain's from the chains and from the chain inside
-        each verified tree (the engine's doing): a tree holds more nodes than the chain and
+        each verified tree (:meth:`observe_verified`): a tree holds more nodes than the chain and
         is chosen while its estimate pays for them; an estimate not yet verified starts at
         the same guess for both, so the tree is tried where the chain does poorly."""
         chains = [False] * len(candidates)
-        if not any(len(c) > 1 for c in candidates):
-            return chains
         none = DraftOption([], [0])
         for i, pair in enumerate(candidates):
             if len(pair) < 2:
@@ -634,6 +632,18 @@ class DraftPlanner:
                 continue
             self.request_stats(req).observe_ask(prop is not None)
             self.stats.observe_ask(prop is not None)
+
+    def observe_verified(self, req, proposal, accepted_nodes: list[int]) -> None:
+        """What the target accepted of a verified ``proposal`` (its accepted nodes, root
+        first); for a dynamic tree whose drafter may be asked for a chain, also how far its
+        chain, the path of first children, would have been accepted, so that the chain's
+        estimate is read where the trees run, not only where chains were tried."""
+        self.observe(req, proposal.kind, proposal.depth, len(accepted_nodes))
+        if self.chain_or_tree and proposal.kind == TREE_KIND:
+            chain = first_child_path(proposal.parents)
+            kept = next((j for j, (a, c) in enumerate(zip(accepted_nodes, chain)) if a != c),
+                        min(len(accepted_nodes), len(chain)))
+            self.observe(req, None, len(chain), kept)
 
     def observe(self, req, kind: Hashable, depth: int, accepted: int) -> None:
         """What the target accepted of a verified draft of ``depth`` levels."""

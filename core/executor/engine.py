@@ -25,8 +25,7 @@ import pluggy
 import torch
 
 from ..config import EngineConfig, SpeculativeConfig
-from ..drafting import (TREE_KIND, DraftProposal, StepResult, TreeMask, first_child_path, proposal_problem,
-                        tree_mask_problem)
+from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..errors import RequestError
 from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
 from ..kernels.cpu import kernels_take_every_layer
@@ -515,10 +514,7 @@ class Engine:
         req.metrics.record_step(depth, len(prop.token_ids) if prop is not None else 0, accepted, emitted)
         req.steps_without_drafts = 0 if depth else req.steps_without_drafts + 1
         if depth and self.planner is not None:
-            self.planner.observe(req, prop.kind, depth, accepted)
-            if prop.kind == TREE_KIND and self.planner.chain_or_tree:  # and what its chain would have had
-                chain = first_child_path(prop.parents)
-                self.planner.observe(req, None, len(chain), sum(1 for a, c in zip(accepted_nodes, chain) if a == c))
+            self.planner.observe_verified(req, prop, accepted_nodes)
         if depth == 0 or self.spec is None or self.spec.min_acceptance_rate <= 0:
             return
         req.recent_acceptance.append(accepted / depth)
