@@ -237,14 +237,15 @@ class EngineConfig:
             only, not on the drafts or requests sharing the forward: greedy output is then
             bit-identical between plain and speculative decoding, alone and batched, in
             bfloat16 too (:mod:`specdec.kernels.invariant`). ``auto`` (the default) turns it on
-            where it was measured to cost nothing: a bfloat16 target on a CPU without
-            bfloat16 instructions (AVX2) whose every product and attention specdec's C++
-            kernels take, not compiled or quantized (on an AVX2 EPYC plain decoding ran 1.04x
-            and 1.08x of its stock-numerics speed at batch 1 and 8, a 512-token prompt chunk
-            0.94x of the stock time); elsewhere off, since the cost on AVX-512 CPUs at batch 8 and on
-            CUDA is not measured with the kernels
-            (:func:`specdec.executor.engine.resolve_batch_invariant`,
-            BENCHMARKS.md "Bit-exact bfloat16"). ``true`` or ``false`` decides it.
+            where it was measured to cost nothing: a bfloat16 CPU target, not compiled or
+            quantized, whose attention specdec's C++ kernel takes and whose every product
+            runs on the linear kernel (CPUs without bfloat16 instructions) or on oneDNN's
+            products with at most its rows padded (CPUs with them)
+            (:func:`specdec.kernels.invariant.mode_costs_nothing`). Plain decoding ran 1.04x
+            and 1.08x of its stock-numerics speed at batch 1 and 8 on an AVX2 EPYC, 0.97x and
+            1.03x on an AVX-512 BF16 Xeon. Off elsewhere (float32, CUDA, where the cost is not
+            measured with the kernels; BENCHMARKS.md "Bit-exact bfloat16"). ``true`` or
+            ``false`` decides it.
         quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels
             (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
             None keeps the model's weights in ``dtype``. The quantized model is the target:

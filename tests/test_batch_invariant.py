@@ -17,8 +17,10 @@ from specdec import kernels
 from specdec.kernels import cpu
 from specdec.kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, make_linear_invariant
 from specdec.kernels.attention import paged_attention_torch
-from specdec.kernels.cpu import invariant_attention_cpu, kernel_available, kernels_take_every_layer
-from specdec.kernels.invariant import LinearPlan, invariant_attention_torch, plan_weight, planned_linear
+from specdec.kernels.cpu import invariant_attention_cpu, kernel_available
+from specdec.kernels import invariant
+from specdec.kernels.invariant import (LinearPlan, invariant_attention_torch, mode_costs_nothing, plan_weight,
+                                       planned_linear)
 from specdec.kernels.layout import slot_ids
 from specdec.kernels.prepacked import can_prepack
 from specdec.kernels.triton_kernels import invariant_attention_triton
@@ -245,14 +247,21 @@ needs_cpu_kernels = pytest.mark.skipif(
 DENSE = sorted(a for a in testing.TINY_ARCHITECTURES if a != "deepseek_v3")
 
 
+#: whether this CPU has bfloat16 instructions (oneDNN's products serve the mode there)
+NATIVE_BF16 = DEVICE == "cpu" and cpu.native_bfloat16()
+
+
 @needs_cpu_kernels
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not NATIVE_BF16, reason="this CPU has no bfloat16 instructions"))], ids=["linear_kernel", "onednn"])
 @pytest.mark.parametrize("arch", DENSE)
-def test_auto_runs_the_mode_where_the_cpu_kernels_take_every_layer(tiny_models, monkeypatch, arch):
-    """On a CPU without bfloat16 instructions (forced here, so that AVX-512 machines check it
-    too) a bfloat16 target of each dense architecture gets the mode by default, and its
-    greedy output is then the same alone, batched, and batched with drafts the target
-    accepts (windows, softcaps and q/k norms included)."""
-    monkeypatch.setattr(cpu, "native_bfloat16", lambda: False)
+def test_auto_runs_the_mode_where_it_costs_nothing(tiny_models, monkeypatch, arch, native):
+    """A bfloat16 target of each dense architecture gets the mode by default on a CPU without
+    bfloat16 instructions (the linear kernel; forced here, so that AVX-512 machines check it
+    too) and on one with them (oneDNN's products, rows padded), and its greedy output is then
+    the same alone, batched, and batched with drafts the target accepts (windows, softcaps
+    and q/k norms included)."""
+    monkeypatch.setattr(cpu, "native_bfloat16", lambda: native)
     model = str(tiny_models[arch])
     plain = LLM(model, dtype="bfloat16")
     spec = LLM(model, dtype="bfloat16",  # the target itself as the draft: its drafts are mostly right
@@ -270,9 +279,10 @@ def test_auto_runs_the_mode_where_the_cpu_kernels_take_every_layer(tiny_models, 
 
 @needs_cpu_kernels
 def test_auto_keeps_stock_numerics_where_the_mode_was_not_measured(tiny_models, smol, monkeypatch):
-    """``auto`` is on only for what was measured to cost nothing (a bfloat16 CPU target whose
-    every layer the kernels take, neither compiled nor quantized); ``true`` and ``false``
-    decide it everywhere."""
+    """``auto`` is on only for what was measured to cost nothing (a bfloat16 CPU target, neither
+    compiled nor quantized, whose attention the C++ kernel takes and whose every product runs
+    on the linear kernel or on a plan that only pads rows); ``true`` and ``false`` decide it
+    everywhere."""
     monkeypatch.setattr(cpu, "native_bfloat16", lambda: False)
     target = LLM(dtype="bfloat16").target
     assert resolve_batch_invariant(EngineConfig(), target) is True
@@ -282,10 +292,24 @@ def test_auto_keeps_stock_numerics_where_the_mode_was_not_measured(tiny_models, 
     assert resolve_batch_invariant(EngineConfig(), smol.target) is False  # float32
     assert resolve_batch_invariant(EngineConfig(batch_invariant=True), smol.target) is True
     # head dimensions the attention kernel does not take; an MoE's fused expert tensors
-    assert not kernels_take_every_layer(target.model, [(3, 8, 8)] * len(target.layer_shapes))
+    assert not mode_costs_nothing(target.model, [(3, 8, 8)] * len(target.layer_shapes))
     assert LLM(str(tiny_models["deepseek_v3"]), dtype="bfloat16").engine.batch_invariant is False
     monkeypatch.setattr(cpu, "kernel_available", lambda: False)  # no compiler: the torch version's cost
     assert resolve_batch_invariant(EngineConfig(), target) is False
     monkeypatch.undo()
-    monkeypatch.setattr(cpu, "native_bfloat16", lambda: True)  # AVX-512: oneDNN's products, cost unmeasured
+    if NATIVE_BF16:  # this CPU's own plans for the embedded model
+        assert resolve_batch_invariant(EngineConfig(), target) is True
+    # with bfloat16 instructions: on where every product's plan at most pads rows (the
+    # embedded model's on an AVX-512 Xeon), off where one cuts its input dimension in parts
+    # (a product per part: the MLP's down projection here) or where no invariant plan exists
+    monkeypatch.setattr(cpu, "native_bfloat16", lambda: True)
+    monkeypatch.setattr(invariant, "linear_plan", lambda w: LinearPlan(4, 1))
+    assert resolve_batch_invariant(EngineConfig(), target) is True
+    monkeypatch.setattr(invariant, "linear_plan",
+                        lambda w: LinearPlan(4, 2) if tuple(w.shape) == (576, 1536) else LinearPlan(4, 1))
+    assert resolve_batch_invariant(EngineConfig(), target) is False
+
+    def no_plan(weight):
+        raise RuntimeError("no batch-invariant way")
+    monkeypatch.setattr(invariant, "linear_plan", no_plan)
     assert resolve_batch_invariant(EngineConfig(), target) is False

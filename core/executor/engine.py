@@ -28,7 +28,7 @@ from ..config import EngineConfig, SpeculativeConfig
 from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..errors import RequestError
 from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
-from ..kernels.cpu import kernels_take_every_layer
+from ..kernels.invariant import mode_costs_nothing
 from ..kvcache import HiddenStateCache, KVCacheManager, PagedKVCache
 from ..sampler import (Verdict, apply_repetition_penalty, probs_from_logits, verify_greedy, verify_greedy_batch,
                        verify_sampled)
@@ -51,13 +51,13 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def resolve_batch_invariant(config: EngineConfig, target: TargetModel) -> bool:
     """``engine.batch_invariant`` as the engine runs it: ``auto`` is on for a bfloat16 CPU
-    target, neither compiled nor quantized, whose every layer specdec's CPU kernels take
-    (:func:`specdec.kernels.cpu.kernels_take_every_layer`: on CPUs without bfloat16
-    instructions), where the mode was measured to cost what stock numerics cost."""
+    target, neither compiled nor quantized, whose every layer the mode runs as cheaply as
+    stock numerics (:func:`specdec.kernels.invariant.mode_costs_nothing`), where it was
+    measured to cost what stock numerics cost."""
     if config.batch_invariant != "auto":
         return config.batch_invariant
     return (target.device.type == "cpu" and target.dtype == torch.bfloat16 and not config.compile
-            and config.quantization is None and kernels_take_every_layer(target.model, target.layer_shapes))
+            and config.quantization is None and mode_costs_nothing(target.model, target.layer_shapes))
 
 
 @attrs.define

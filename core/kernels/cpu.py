@@ -142,23 +142,3 @@ def kernel_linear_forward(module: torch.nn.Linear) -> functools.partial:
     """A forward for ``module`` on the linear kernel (its weight and bias read, not copied)."""
     return functools.partial(kernel_linear, weight=module.weight.detach(),
                              bias=None if module.bias is None else module.bias.detach())
-
-
-def kernels_take_every_layer(model: torch.nn.Module, layer_shapes: list[tuple[int, int, int]]) -> bool:
-    """Whether specdec's CPU kernels would run all of ``model``'s batch-invariant work: every
-    weight matrix an ``nn.Linear`` the linear kernel takes (or an embedding, which only
-    gathers; an MoE's fused expert tensors are not) and every layer's key and value
-    dimensions in whole attention-kernel vectors (``layer_shapes`` as the KV cache's). Only
-    then was the mode measured to cost what stock numerics cost, which is what
-    ``engine.batch_invariant: auto`` asks."""
-    linear_weights = set()
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            if not linear_kernel_fits(module.weight):
-                return False
-            linear_weights.add(id(module.weight))
-        elif isinstance(module, torch.nn.Embedding):
-            linear_weights.add(id(module.weight))
-    return (all(id(p) in linear_weights for p in model.parameters() if p.dim() >= 2)
-            and all(key_dim % LANES == 0 and value_dim % LANES == 0 for _, key_dim, value_dim in layer_shapes)
-            and kernel_available())

@@ -49,6 +49,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from . import cpu
 from .cpu import kernel_linear_forward, linear_kernel_fits
 from .prepacked import can_prepack, pack_weight, packed_linear
 
@@ -183,6 +184,46 @@ def linear_plan(weight: torch.Tensor) -> LinearPlan:
     result however many rows share the call: found by trying, once per shape, dtype, device
     and thread count (the thresholds are the kernel library's)."""
     return _linear_plan(weight.shape[0], weight.shape[1], weight.dtype, weight.device.type, torch.get_num_threads())
+
+
+def linear_costs_nothing(weight: torch.Tensor) -> bool:
+    """Whether the mode's product with ``weight`` costs what the stock one costs: the CPU
+    linear kernel's (no bfloat16 instructions), or, on a CPU with them, a plan that at most
+    pads rows (a decode row padded to four costs next to nothing where the product streams
+    its weight; cutting the input dimension costs a product per part)."""
+    if linear_kernel_fits(weight):
+        return True
+    if not (cpu.native_bfloat16() and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.dim() == 2):
+        return False
+    try:
+        plan = linear_plan(weight)
+    except RuntimeError:
+        return False
+    return plan.parts == 1 and not plan.chunk
+
+
+def mode_costs_nothing(model: torch.nn.Module, layer_shapes: list[tuple[int, int, int]]) -> bool:
+    """Whether the mode would run all of ``model``'s work as cheaply as stock numerics, which
+    is what ``engine.batch_invariant: auto`` asks: every weight matrix an ``nn.Linear`` whose
+    product :func:`linear_costs_nothing` (or an embedding, which only gathers; an MoE's fused
+    expert tensors are neither), every layer's key and value dimensions in whole vectors of
+    the C++ attention kernel (``layer_shapes`` as the KV cache's), and that kernel built.
+    Measured so on a 2-core AVX2 EPYC (the linear kernel) and a 2-core AVX-512 BF16 Xeon
+    (oneDNN products, rows padded to four), BENCHMARKS.md "Bit-exact bfloat16"."""
+    if not cpu.kernel_available():
+        return False
+    if not all(key_dim % cpu.LANES == 0 and value_dim % cpu.LANES == 0 for _, key_dim, value_dim in layer_shapes):
+        return False
+    linear_weights = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            if id(module.weight) not in linear_weights and not linear_costs_nothing(module.weight):
+                return False
+            linear_weights.add(id(module.weight))
+        elif isinstance(module, torch.nn.Embedding):
+            linear_weights.add(id(module.weight))
+    return all(id(p) in linear_weights for p in model.parameters() if p.dim() >= 2)
 
 
 def make_linear_invariant(module: torch.nn.Linear) -> bool:
