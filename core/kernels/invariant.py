@@ -215,15 +215,15 @@ def mode_costs_nothing(model: torch.nn.Module, layer_shapes: list[tuple[int, int
         return False
     if not all(key_dim % cpu.LANES == 0 and value_dim % cpu.LANES == 0 for _, key_dim, value_dim in layer_shapes):
         return False
-    linear_weights = set()
+    covered = set()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            if id(module.weight) not in linear_weights and not linear_costs_nothing(module.weight):
+            if not linear_costs_nothing(module.weight):  # a tied LM head too: its product is checked
                 return False
-            linear_weights.add(id(module.weight))
+            covered.add(id(module.weight))
         elif isinstance(module, torch.nn.Embedding):
-            linear_weights.add(id(module.weight))
-    return all(id(p) in linear_weights for p in model.parameters() if p.dim() >= 2)
+            covered.add(id(module.weight))
+    return all(id(p) in covered for p in model.parameters() if p.dim() >= 2)
 
 
 def make_linear_invariant(module: torch.nn.Linear) -> bool:
