@@ -107,7 +107,8 @@ def main() -> None:
                   f"acceptance length {m.acceptance_length:.2f}   output {same}\n")
     plain_tps = totals["plain"][0] / totals["plain"][1]
     spec_tps = totals["ngram"][0] / totals["ngram"][1]
-    print(f"overall ({args.dtype}, {args.threads} threads): plain {plain_tps:.1f} tok/s, "
+    numerics = "batch-invariant" if plain.engine.batch_invariant else "stock"
+    print(f"overall ({args.dtype}, {args.threads} threads, {numerics} numerics): plain {plain_tps:.1f} tok/s, "
           f"ngram {spec_tps:.1f} tok/s, {spec_tps / plain_tps:.2f}x")
 
 
