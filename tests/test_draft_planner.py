@@ -5,13 +5,14 @@ on without changing greedy output."""
 import collections
 import itertools
 import random
+import types
 
 import pytest
 import torch
 
 from specdec import LLM, SamplingParams, hookimpl, testing
 from specdec.drafting import DraftProposal
-from specdec.executor.draft_planner import AcceptanceStats, DraftOption, StepCostModel, best_depths
+from specdec.executor.draft_planner import AcceptanceStats, DraftOption, DraftPlanner, StepCostModel, best_depths
 
 
 def chain(rate: float, depth: int) -> DraftOption:
@@ -194,7 +195,7 @@ def test_draft_trees_cost_a_batch_of_their_own_in_the_batch_invariant_torch_atte
     """The invariant torch attention runs a step's trees apart from its rows (a tree of
     four beside seven decodes measured 7-12 ms more than a chain of four): the planner
     prices that where the engine runs it, and only for trees."""
-    from specdec.executor.draft_planner import DraftPlanner, StepShape, attention_work
+    from specdec.executor.draft_planner import StepShape, attention_work
     from specdec.kernels.layout import TREE_BATCH_PAIRS
 
     sequences = [(300, 1)] * 8
@@ -243,6 +244,24 @@ def test_acceptance_stats_follow_the_request_and_lean_on_the_prior():
     assert mine.rate(1, 0) > 0.8 and mine.rate(1, 2) < 0.1  # followed the change (decay)
     assert mine.rate(1, 3) == pytest.approx(mine.rate(1, 2))  # never reached anywhere: like the one before
     assert mine.curve(3, 6)[-1] > 0.8  # the engine's kind-3 drafts, deeper than ever verified
+
+
+def test_a_requests_estimate_leans_on_the_engine_wide_one_as_the_planner_says():
+    """``DraftPlanner.request_prior_weight``: how many of a request's own observations the
+    engine-wide estimate weighs as (what ``scripts/ab_planner.py`` varies)."""
+    planner = DraftPlanner(lambda depth: depth, probe_interval=8)
+    for _ in range(40):
+        planner.stats.observe(3, depth=4, accepted=4)  # another request copies its prompt
+    rates = {}
+    for weight in (3.0, 1.0):
+        planner.request_prior_weight = weight
+        mine = planner.request_stats(types.SimpleNamespace(draft_stats=None))
+        for _ in range(4):
+            mine.observe(3, depth=4, accepted=0)
+        seen = sum(0.9 ** k for k in range(4))
+        assert mine.rate(3, 0) == pytest.approx(weight * planner.stats.rate(3, 0) / (seen + weight))
+        rates[weight] = mine.rate(3, 0)
+    assert rates[3.0] > 0.45 and rates[1.0] < 0.25
 
 
 class PhasedDrafter:

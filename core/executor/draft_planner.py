@@ -418,6 +418,14 @@ class DraftPlanner:
         self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
         self.num_verified = 0  # drafts verified since the engine started
         self.num_warm_ups = 0
+        #: how many observations the engine-wide estimate weighs as in a request's own
+        #: (:class:`AcceptanceStats`). Pooled over drafts, the engine-wide counts are those of
+        #: the requests that draft most; weighing them less lets a request's own failures
+        #: count sooner, but makes its estimates noisier. Measured both ways, interleaved
+        #: (``scripts/ab_planner.py``, BENCHMARKS.md, session 31): as one instead of three,
+        #: ngram at batch 8 on the diverse set 0.93x -> 0.94x plain, MTP at batch 1 on the
+        #: open-ended categories 1.56x -> 1.40x; it stays three.
+        self.request_prior_weight = 3.0
 
     def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int) -> None:
         """A step ran (drafting excluded; ``widest``: the most new tokens of one
@@ -462,7 +470,7 @@ class DraftPlanner:
 
     def request_stats(self, req) -> AcceptanceStats:
         if req.draft_stats is None:
-            req.draft_stats = AcceptanceStats(prior=self.stats)
+            req.draft_stats = AcceptanceStats(prior=self.stats, prior_weight=self.request_prior_weight)
         return req.draft_stats
 
     def _probe_due(self, req) -> bool:

@@ -1,0 +1,93 @@
+"""The adaptive planner's settings side by side: plain decoding and a method's engines, each
+with planner attributes of its own, over a prompt set in batches.
+
+    .venv/bin/python scripts/ab_planner.py ngram --variant request_prior_weight=3 \\
+        --variant request_prior_weight=1 [--dataset benchmarks/diverse.jsonl |
+        --categories code_editing qa_over_text] [--batch-size 8] [--repetitions 3]
+        [--max-tokens 96] [--threads 2]
+
+What ``specdec bench`` does for methods, for settings that are not configuration: the
+batches are interleaved one by one in an order that rotates, and every repetition builds
+fresh engines (ngram's pool must not find the previous repetition's answers). A variant
+sets attributes of the engine's :class:`~specdec.executor.draft_planner.DraftPlanner`
+(``request_prior_weight=1``, ``probe_share=0.01``; several separated by commas). Prints
+each system's tokens/s, its ratio to plain, and how many of its answers equal plain's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.bench import WARMUP, concurrent_requests
+from specdec.prompt_sets import PROMPTS, load_jsonl, messages
+
+
+def parse_variant(text: str) -> dict[str, float]:
+    settings = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        settings[name.strip()] = float(value)
+    return settings
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("method", help="a decoding type")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="planner attributes of one engine of the method (repeatable; none: the defaults)")
+    p.add_argument("--dataset", help="a JSONL prompt set (default: the built-in categories)")
+    p.add_argument("--categories", nargs="+", help="built-in categories (default: all)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.dataset:
+        conversations = [c for convs in load_jsonl(args.dataset).values() for c in convs]
+    else:
+        conversations = [c for name in args.categories or PROMPTS
+                         for c in concurrent_requests(messages(name), args.batch_size)]
+    variants = [parse_variant(v) for v in args.variant] or [{}]
+    labels = ["plain"] + [f"{i} {args.method} {','.join(f'{k}={v:g}' for k, v in v.items()) or 'defaults'}"
+                          for i, v in enumerate(variants, start=1)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=0)
+    tokens, seconds = dict.fromkeys(labels, 0), dict.fromkeys(labels, 0.0)
+    texts: dict[str, list[str]] = {}
+    for rep in range(args.repetitions):
+        llms = {"plain": LLM(dtype="bfloat16")}
+        for label, settings in zip(labels[1:], variants):
+            llm = llms[label] = LLM(dtype="bfloat16", speculative_config={"decoding_type": args.method})
+            for name, value in settings.items():
+                if not hasattr(llm.engine.planner, name):
+                    raise SystemExit(f"the planner has no attribute {name!r}")
+                setattr(llm.engine.planner, name, value)
+        for llm in llms.values():
+            llm.chat([WARMUP], SamplingParams(max_tokens=4, temperature=0.0))
+        for turn, start in enumerate(range(0, len(conversations), args.batch_size)):
+            shift = (turn + rep) % len(labels)
+            for label in labels[shift:] + labels[:shift]:
+                started = time.perf_counter()
+                outs = llms[label].chat(conversations[start:start + args.batch_size], params)
+                seconds[label] += time.perf_counter() - started
+                tokens[label] += sum(len(o.token_ids) for o in outs)
+                if rep == 0:
+                    texts.setdefault(label, []).extend(o.text for o in outs)
+        del llms
+        gc.collect()
+    plain = tokens["plain"] / seconds["plain"]
+    print(f"# {len(conversations)} requests at batch {args.batch_size}, {args.max_tokens} tokens, "
+          f"{args.repetitions} repetitions, {args.threads} threads, bfloat16")
+    for label in labels:
+        rate = tokens[label] / seconds[label]
+        same = sum(a == b for a, b in zip(texts[label], texts["plain"]))
+        print(f"{label:40s} {rate:7.1f} tok/s  {rate / plain:.3f}x  same {same}/{len(texts['plain'])}")
+
+
+if __name__ == "__main__":
+    main()
