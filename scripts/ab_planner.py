@@ -27,7 +27,8 @@ from specdec.bench import WARMUP, concurrent_requests
 from specdec.prompt_sets import PROMPTS, load_jsonl, messages
 
 
-def parse_variant(text: str) -> dict[str, float]:
+def parse_settings(text: str) -> dict[str, float]:
+    """``name=value[,name=value]`` -> planner attributes."""
     settings = {}
     for part in text.split(","):
         name, _, value = part.partition("=")
@@ -35,25 +36,40 @@ def parse_variant(text: str) -> dict[str, float]:
     return settings
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def set_planner_attributes(llm: LLM, settings: dict[str, float]) -> None:
+    for name, value in settings.items():
+        if not hasattr(llm.engine.planner, name):
+            raise SystemExit(f"the planner has no attribute {name!r}")
+        setattr(llm.engine.planner, name, value)
+
+
+def add_prompt_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("method", help="a decoding type")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
-                   help="planner attributes of one engine of the method (repeatable; none: the defaults)")
     p.add_argument("--dataset", help="a JSONL prompt set (default: the built-in categories)")
     p.add_argument("--categories", nargs="+", help="built-in categories (default: all)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
+
+
+def conversations_of(args: argparse.Namespace) -> list:
+    """The requests of ``add_prompt_options``' prompt set, in order (a built-in category's
+    made distinct up to the batch size, as ``specdec bench`` makes them)."""
+    if args.dataset:
+        return [c for convs in load_jsonl(args.dataset).values() for c in convs]
+    return [c for name in args.categories or PROMPTS for c in concurrent_requests(messages(name), args.batch_size)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_prompt_options(p)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="planner attributes of one engine of the method (repeatable; none: the defaults)")
+    p.add_argument("--repetitions", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.dataset:
-        conversations = [c for convs in load_jsonl(args.dataset).values() for c in convs]
-    else:
-        conversations = [c for name in args.categories or PROMPTS
-                         for c in concurrent_requests(messages(name), args.batch_size)]
-    variants = [parse_variant(v) for v in args.variant] or [{}]
+    conversations = conversations_of(args)
+    variants = [parse_settings(v) for v in args.variant] or [{}]
     labels = ["plain"] + [f"{i} {args.method} {','.join(f'{k}={v:g}' for k, v in v.items()) or 'defaults'}"
                           for i, v in enumerate(variants, start=1)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=0)
@@ -62,11 +78,8 @@ def main() -> None:
     for rep in range(args.repetitions):
         llms = {"plain": LLM(dtype="bfloat16")}
         for label, settings in zip(labels[1:], variants):
-            llm = llms[label] = LLM(dtype="bfloat16", speculative_config={"decoding_type": args.method})
-            for name, value in settings.items():
-                if not hasattr(llm.engine.planner, name):
-                    raise SystemExit(f"the planner has no attribute {name!r}")
-                setattr(llm.engine.planner, name, value)
+            llms[label] = LLM(dtype="bfloat16", speculative_config={"decoding_type": args.method})
+            set_planner_attributes(llms[label], settings)
         for llm in llms.values():
             llm.chat([WARMUP], SamplingParams(max_tokens=4, temperature=0.0))
         for turn, start in enumerate(range(0, len(conversations), args.batch_size)):

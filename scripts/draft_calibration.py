@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/draft_calibration.py ngram [--dataset benchmarks/diverse.jsonl |
         --categories code_editing qa_over_text] [--batch-size 8] [--max-tokens 96]
-        [--threads 2] [--set request_prior_weight=1] [--show-deep 4]
+        [--threads 2] [--set request_prior_weight=1] [--show-deep 8]
 
 Runs the prompts in batches (greedy, bfloat16) on one engine and, for every draft the
 planner kept, records the request's estimate when it was kept (the chance that the first
@@ -22,35 +22,23 @@ import collections
 
 import torch
 
+from ab_planner import add_prompt_options, conversations_of, parse_settings, set_planner_attributes
 from specdec import LLM, SamplingParams
-from specdec.bench import WARMUP, concurrent_requests
-from specdec.prompt_sets import PROMPTS, load_jsonl, messages
+from specdec.bench import WARMUP
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("method", help="a decoding type")
-    p.add_argument("--dataset", help="a JSONL prompt set (default: the built-in categories)")
-    p.add_argument("--categories", nargs="+", help="built-in categories (default: all)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a planner attribute")
+    add_prompt_options(p)
+    p.add_argument("--set", default="", metavar="NAME=VALUE[,NAME=VALUE]", help="planner attributes")
     p.add_argument("--show-deep", type=int, metavar="N", help="list the estimates of the others' drafts of depth >= N")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.dataset:
-        conversations = [c for convs in load_jsonl(args.dataset).values() for c in convs]
-    else:
-        conversations = [c for name in args.categories or PROMPTS
-                         for c in concurrent_requests(messages(name), args.batch_size)]
+    conversations = conversations_of(args)
     llm = LLM(dtype="bfloat16", speculative_config={"decoding_type": args.method})
     planner = llm.engine.planner
-    for setting in args.set:
-        name, _, value = setting.partition("=")
-        if not hasattr(planner, name):
-            raise SystemExit(f"the planner has no attribute {name!r}")
-        setattr(planner, name, float(value))
+    if args.set:
+        set_planner_attributes(llm, parse_settings(args.set))
     llm.chat([WARMUP], SamplingParams(max_tokens=4, temperature=0.0))
     kept_estimates, drafts, deep = {}, [], []
     trim, observe_verified = planner.trim, planner.observe_verified
