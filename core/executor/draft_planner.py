@@ -424,8 +424,8 @@ class DraftPlanner:
         #: count sooner, but makes its estimates noisier. Measured both ways, interleaved
         #: (``scripts/ab_planner.py``, BENCHMARKS.md, session 31): as one instead of three,
         #: ngram at batch 8 on the diverse set 0.93x -> 0.94x plain, MTP at batch 1 on the
-        #: open-ended categories 1.56x -> 1.40x; it stays three.
-        self.request_prior_weight = 3.0
+        #: open-ended categories 1.56x -> 1.40x; it stays three (the estimates' default).
+        self.request_prior_weight = attrs.fields(AcceptanceStats).prior_weight.default
 
     def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int) -> None:
         """A step ran (drafting excluded; ``widest``: the most new tokens of one
