@@ -4,11 +4,13 @@ The pool maps every n-gram (``min_matching_ngram_size <= n <= max_matching_ngram
 seen in a sequence to the places it was followed by something. It is updated
 incrementally as tokens are accepted, never by rescanning the context. To draft, the
 longest suffix n-gram of the request that the pool knows is looked up and the tokens that
-followed it are proposed; since a place points into a live sequence, its continuation
-grows as that sequence does. A proposal's ``kind`` is its match length, so the core's
-adaptive planner learns per request how far drafts from one-token matches and from longer
-matches are accepted, and verifies each as deep as it pays (often not at all for a
-one-token match).
+followed it are proposed, from the place whose preceding tokens agree longest with the
+request's (up to :data:`COPY_AGREEMENT`); since a place points into a live sequence, its
+continuation grows as that sequence does. A proposal's ``kind`` is its match length: the
+n-gram's, or :data:`COPY_AGREEMENT` where the request agrees with the place for that many
+tokens or more (it is copying), so the core's adaptive planner learns per request how far
+drafts from one-token matches, longer matches and copies are accepted, and verifies each
+as deep as it pays (often not at all for a one-token match).
 
 Options (defaults in brackets):
     max_draft_len [12]: tokens proposed per step.
@@ -17,7 +19,8 @@ Options (defaults in brackets):
     is_public_pool [true]: one pool shared by all requests, or one per request.
     is_keep_all [true]: keep every place an n-gram occurred, or only the newest (as
         TensorRT-LLM does).
-    is_use_oldest [true]: draft from the oldest place, or the newest.
+    is_use_oldest [true]: of the places agreeing longest, draft from the oldest, or the
+        newest.
     max_places_per_ngram [8]: places kept per n-gram, bounding the pool's memory.
     max_pool_ngrams [262144]: n-grams a pool keeps; beyond it the least recently seen go
         (with them the finished sequences only they pointed into), so a long-running
@@ -33,6 +36,13 @@ import attrs
 from specdec import DecodingType, Drafter, DraftProposal, hookimpl
 from specdec.config import SpeculativeConfig, in_range
 from specdec.errors import FieldError
+
+#: tokens before a draft that agree with its place, from which the request counts as
+#: copying: drafts of three-token matches in requests that did not copy were accepted at
+#: 0.38-0.40 per position beyond the fourth on the diverse set at batch 8, from places as
+#: old as any, while the copying requests' were accepted at 0.95 and more; told apart and
+#: drafted from the place agreeing longest, 0.55-0.63 (BENCHMARKS.md, session 32)
+COPY_AGREEMENT = 8
 
 
 @attrs.frozen(kw_only=True)
@@ -84,8 +94,9 @@ class NGramPool:
                 found.append((seq, i))
 
     def lookup(self, seq: list[int], k: int) -> tuple[list[int], int]:
-        """Up to ``k`` tokens that followed the longest known suffix n-gram of ``seq``, and
-        the length of that n-gram (0: no match)."""
+        """Up to ``k`` tokens that followed the longest known suffix n-gram of ``seq``, at
+        the place agreeing longest with ``seq`` before it, and the match length (0: no
+        match; see the module docstring)."""
         length = len(seq)
         for n in self.sizes:
             if n > length:
@@ -93,11 +104,27 @@ class NGramPool:
             found = self.places.get(tuple(seq[length - n:]))
             if not found:
                 continue
-            source, i = found[0] if self.oldest else found[-1]
-            if source is seq and i >= length:
+            best, best_agreement = None, 0
+            for source, i in found if self.oldest else reversed(found):
+                if source is seq and i >= length:
+                    continue
+                agreement = _agreement(source, i, seq, n)
+                if agreement > best_agreement:
+                    best, best_agreement = (source, i), agreement
+            if best is None:
                 continue
-            return source[i:i + k], n
+            source, i = best
+            return source[i:i + k], max(n, COPY_AGREEMENT) if best_agreement >= COPY_AGREEMENT else n
         return [], 0
+
+
+def _agreement(source: list[int], i: int, seq: list[int], n: int) -> int:
+    """How many tokens before ``source[i]`` agree with the end of ``seq`` (at least the
+    ``n`` of the n-gram matched), counted up to :data:`COPY_AGREEMENT`."""
+    length, m = len(seq), n
+    while m < COPY_AGREEMENT and m < i and m < length and source[i - m - 1] == seq[length - m - 1]:
+        m += 1
+    return m
 
 
 class NGramDrafter(Drafter):

@@ -3,7 +3,7 @@
 import pytest
 
 from specdec import LLM, SamplingParams, testing
-from specdec_ngram import NGramConfig, NGramPool
+from specdec_ngram import COPY_AGREEMENT, NGramConfig, NGramPool
 
 TEXT = ("The Apollo program was the third United States human spaceflight program carried out by NASA, "
         "which accomplished landing the first humans on the Moon from 1969 to 1972. It was first conceived "
@@ -64,6 +64,20 @@ def test_pool_keeps_at_most_max_pool_ngrams_and_evicts_the_least_recently_seen()
     assert (2, 3) not in p.places and (3,) not in p.places  # least recently seen went first
     assert p.lookup([5, 1, 2], 1) == ([3], 2)  # recently seen ones stay
     assert p.lookup([0, 7, 8], 2) == ([7, 8], 2)
+
+
+def test_the_place_agreeing_longest_is_drafted_from_and_a_copy_is_a_kind_of_its_own():
+    p = pool(max_matching_ngram_size=3)
+    older = [11, 12, 13, 14, 15, 16, 17, 3, 4, 5, 90, 91]
+    newer = [1, 2, 3, 4, 5, 80, 81]
+    p.index(older, 0, len(older))
+    p.index(newer, 0, len(newer))
+    # "3 4 5" is at both places; five tokens agree with the newer one, two with the older
+    assert p.lookup([7, 1, 2, 3, 4, 5], 2) == ([80, 81], 3)
+    # ten tokens agree with the older one: a copy (COPY_AGREEMENT and more)
+    assert p.lookup([0, 12, 13, 14, 15, 16, 17, 3, 4, 5], 2) == ([90, 91], COPY_AGREEMENT)
+    # agreeing equally (only the n-gram), the oldest place, as before
+    assert p.lookup([9, 3, 4, 5], 1) == ([90], 3)
 
 
 def test_proposals_carry_their_match_length_as_kind():
