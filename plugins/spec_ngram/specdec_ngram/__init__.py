@@ -38,10 +38,11 @@ from specdec.config import SpeculativeConfig, in_range
 from specdec.errors import FieldError
 
 #: tokens before a draft that agree with its place, from which the request counts as
-#: copying: drafts of three-token matches in requests that did not copy were accepted at
-#: 0.38-0.40 per position beyond the fourth on the diverse set at batch 8, from places as
-#: old as any, while the copying requests' were accepted at 0.95 and more; told apart and
-#: drafted from the place agreeing longest, 0.55-0.63 (BENCHMARKS.md, session 32)
+#: copying. Without the distinction, ngram's drafts on the diverse set at batch 8 were
+#: accepted at 0.37-0.39 per position beyond the fourth: most of them coincidental
+#: three-token matches of requests that did not copy, verified deep on the rates of the
+#: requests that did; told apart, and drafted from the place agreeing longest, 0.52-0.70
+#: (BENCHMARKS.md, session 32)
 COPY_AGREEMENT = 8
 
 
