@@ -72,7 +72,7 @@ def test_the_place_agreeing_longest_is_drafted_from_and_a_copy_is_a_kind_of_its_
     newer = [1, 2, 3, 4, 5, 80, 81]
     p.index(older, 0, len(older))
     p.index(newer, 0, len(newer))
-    # "3 4 5" is at both places; five tokens agree with the newer one, two with the older
+    # "3 4 5" is at both places; five tokens agree with the newer one, only those three with the older
     assert p.lookup([7, 1, 2, 3, 4, 5], 2) == ([80, 81], 3)
     # ten tokens agree with the older one: a copy (COPY_AGREEMENT and more)
     assert p.lookup([0, 12, 13, 14, 15, 16, 17, 3, 4, 5], 2) == ([90, 91], COPY_AGREEMENT)
