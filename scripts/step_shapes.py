@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/step_shapes.py medusa [--batch-size 8] [--max-tokens 96]
         [--dataset benchmarks/diverse.jsonl | --category summarization] [--probe-share 0.03] [--off]
-        [--batch-invariant] [--cold] [--one-at-a-time]
+        [--batch-invariant] [--cold] [--one-at-a-time] [--compile] [--quantization int4]
 
 Runs the first ``--batch-size`` prompts of the set together (greedy, bfloat16, 2 threads)
 and prints the steps, those where some request verified a draft, the target tokens beside
@@ -16,7 +16,9 @@ it learnt from it (0 without the adaptive planner). ``--probe-share`` sets the a
 none). ``--cold`` skips the warm-up request, so the planner starts on the batch itself,
 as an engine does on its first requests. ``--one-at-a-time`` runs the prompts one after
 another, each alone (batch 1), the planner's state carried from one to the next as in a
-server. What the adaptive planner's cost model has to learn is in these numbers.
+server. ``--compile`` and ``--quantization`` set the engine's options of those names (the
+compiled int4 target of BENCHMARKS.md's llama.cpp comparison). What the adaptive planner's
+cost model has to learn is in these numbers.
 """
 
 from __future__ import annotations
@@ -47,12 +49,15 @@ def main() -> None:
     p.add_argument("--off", action="store_true", help="the method's engine with speculation off")
     p.add_argument("--batch-invariant", action="store_true")
     p.add_argument("--one-at-a-time", action="store_true", help="the prompts one after another, each alone")
+    p.add_argument("--compile", action="store_true", help="compile the target forward (engine.compile)")
+    p.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantized target")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     spec = None if args.method == "plain" else {"decoding_type": args.method}
     if spec and args.off:
         spec["draft_len_schedule"] = {1: 0}
-    llm = LLM(dtype="bfloat16", speculative_config=spec, engine={"batch_invariant": args.batch_invariant})
+    llm = LLM(dtype="bfloat16", speculative_config=spec, engine={
+        "batch_invariant": args.batch_invariant, "compile": args.compile, "quantization": args.quantization})
     engine = llm.engine
     if args.probe_share is not None:
         engine.planner.probe_share = args.probe_share

@@ -233,7 +233,9 @@ def test_acceptance_stats_follow_the_request_and_lean_on_the_prior():
     for _ in range(30):
         engine_wide.observe(3, depth=4, accepted=4)
         mine.observe(1, depth=4, accepted=0)
-    assert 0.1 < mine.rate(1, 0) < 0.15  # its own one-token matches fail; the prior keeps it hopeful
+    # a kind the engine never verified is guessed as well as its verified drafts of every kind (all accepted)
+    assert engine_wide.rate(1, 0) == pytest.approx(1.0) and engine_wide.rate("x", 0) == pytest.approx(1.0)
+    assert 0.2 < mine.rate(1, 0) < 0.3  # its own one-token matches fail; the prior keeps it hopeful
     assert mine.rate(3, 0) > 0.9  # a kind it has not drafted: the engine-wide estimate
     for _ in range(30):
         engine_wide.observe(1, depth=4, accepted=0)
@@ -244,6 +246,10 @@ def test_acceptance_stats_follow_the_request_and_lean_on_the_prior():
     assert mine.rate(1, 0) > 0.8 and mine.rate(1, 2) < 0.1  # followed the change (decay)
     assert mine.rate(1, 3) == pytest.approx(mine.rate(1, 2))  # never reached anywhere: like the one before
     assert mine.curve(3, 6)[-1] > 0.8  # the engine's kind-3 drafts, deeper than ever verified
+    failing = AcceptanceStats(decay=0.99, prior_weight=2.0)
+    for _ in range(30):
+        failing.observe(3, depth=4, accepted=0)
+    assert failing.rate(8, 0) == pytest.approx(0.5)  # drafts that fail: an unseen kind keeps the initial guess
 
 
 def test_a_requests_estimate_leans_on_the_engine_wide_one_as_the_planner_says():

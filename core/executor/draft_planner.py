@@ -246,20 +246,41 @@ class AcceptanceStats:
         one before it was. A position leans on the engine-wide rate where that has seen
         it; else on this estimate's rate at the position before (a position never verified
         is guessed like the last one that was, so a request drafting short learns whether
-        longer drafts would pay); position 0 without any evidence on the initial guess."""
+        longer drafts would pay); position 0 without any evidence on the initial guess.
+        The engine-wide estimate guesses a kind it never verified at least as well as its
+        verified drafts of every kind together (:meth:`pooled_rates`): left at the initial
+        guess, ngram's copies (:data:`specdec_ngram.COPY_AGREEMENT`) were refused while the
+        3-token matches before them were accepted 97% of the time, and a batch of eight
+        summarization requests verified no draft for 10 steps, until the probes came."""
         rows = self.counts.get(kind, ())
         prior_rates = self.prior.rates(kind, depth) if self.prior is not None else None
+        unseen = self.pooled_rates(depth) if self.prior is None and not self.has_seen(kind, 0) else None
         out: list[float] = []
         for j in range(depth):
             if prior_rates is not None and (j == 0 or self.prior.has_seen(kind, j)):
                 prior = prior_rates[j]
             else:
                 prior = out[j - 1] if j > 0 else self.initial_rate
+                if unseen is not None and unseen[j] is not None:
+                    prior = max(prior, unseen[j])
             if j < len(rows):
                 reached, accepted = rows[j]
                 out.append((accepted + self.prior_weight * prior) / (reached + self.prior_weight))
             else:
                 out.append(prior)
+        return out
+
+    def pooled_rates(self, depth: int) -> list[float | None]:
+        """For positions ``0..depth-1``, the share of the drafts that reached the position,
+        of every kind together, that had it accepted (None where fewer than one reached it)."""
+        out = []
+        for j in range(depth):
+            reached = accepted = 0.0
+            for rows in self.counts.values():
+                if j < len(rows):
+                    reached += rows[j][0]
+                    accepted += rows[j][1]
+            out.append(accepted / reached if reached >= 1.0 else None)
         return out
 
     def rate(self, kind: Hashable, position: int) -> float:
