@@ -249,9 +249,10 @@ class AcceptanceStats:
         longer drafts would pay); position 0 without any evidence on the initial guess.
         The engine-wide estimate guesses a kind it never verified at least as well as its
         verified drafts of every kind together (:meth:`pooled_rates`): left at the initial
-        guess, ngram's copies (:data:`specdec_ngram.COPY_AGREEMENT`) were refused while the
-        3-token matches before them were accepted 97% of the time, and a batch of eight
-        summarization requests verified no draft for 10 steps, until the probes came."""
+        guess, ngram's copies (matches agreeing with the request for 8 tokens or more) were
+        refused while the 3-token matches before them were accepted 97% of the time, and a
+        batch of eight summarization requests verified no draft for 10 steps, until the
+        probes came (BENCHMARKS.md, session 33)."""
         rows = self.counts.get(kind, ())
         prior_rates = self.prior.rates(kind, depth) if self.prior is not None else None
         unseen = self.pooled_rates(depth) if self.prior is None and not self.has_seen(kind, 0) else None
