@@ -266,6 +266,13 @@ class EngineConfig:
             bfloat16 and 1.36x in int4, for +374 MiB of memory (BENCHMARKS.md, "Compiled
             target forward"). Not with ``batch_invariant: true`` (``auto`` is then off). Off by
             default.
+        cuda_graphs: on a CUDA target, replay captured CUDA graphs of the forward for steps
+            of up to 512 tokens (decodes, draft chains and trees; prompt chunks up to 64
+            tokens), padded into buckets of sequences and tokens
+            (:mod:`specdec.executor.cuda_graphs`): a step then costs about its GPU time
+            instead of ~1,400 launches from Python. Graphs are captured on first use and
+            take memory beside the KV cache. Not with ``compile`` or ``batch_invariant:
+            true``. Off by default.
     """
 
     max_batch_size: int = attrs.field(default=8, validator=in_range(1, 4096))
@@ -281,6 +288,7 @@ class EngineConfig:
     quantization: str | None = attrs.field(default=None, validator=attrs.validators.optional(one_of(*QUANTIZATIONS)))
     prepack_weights: bool = True
     compile: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _compile_alone(inst, value))
+    cuda_graphs: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _graphs_alone(inst, value))
 
 
 def _compile_alone(engine: EngineConfig, compile: bool) -> None:
@@ -289,6 +297,16 @@ def _compile_alone(engine: EngineConfig, compile: bool) -> None:
         raise FieldError("compile", "cannot be combined with batch_invariant: true: the compiled graph fuses "
                                     "operations in an order that depends on the step's token count; turn one of "
                                     "them off (batch_invariant: auto is off beside compile)")
+
+
+def _graphs_alone(engine: EngineConfig, cuda_graphs: bool) -> None:
+    """``cuda_graphs`` captures the eager forward with the stock attention kernel."""
+    if cuda_graphs and engine.compile:
+        raise FieldError("cuda_graphs", "cannot be combined with compile: the graphs capture the eager forward; "
+                                        "turn one of them off")
+    if cuda_graphs and engine.batch_invariant is True:
+        raise FieldError("cuda_graphs", "cannot be combined with batch_invariant: true, whose attention is not "
+                                        "captured; turn one of them off (auto is off on CUDA)")
 
 
 @attrs.frozen(kw_only=True)

@@ -8,11 +8,14 @@ Parts, each printed as a table:
 * ``generate``: Hugging Face ``generate()`` (greedy, sdpa, its dynamic cache) against
   specdec's plain decoding through ``LLM.generate``, the same model object and the same
   prompts, interleaved, at batch 1, 8 and 32: tokens per second over prefill and decode.
+  With ``--cuda-graphs`` a second specdec engine replays CUDA graphs
+  (``engine.cuda_graphs``) in the same interleaved run.
 * ``steps``: one target forward through specdec's model runner and paged KV cache: a
   decode step (1 new token per request) and a 16-token tree verification (a 16-node tree
   per request), at batch 1, 8 and 32, after ``--context`` cached tokens; wall time per
   step, the GPU's busy time in it (the profiler's kernel time: what CUDA graphs could not
-  remove), and the weight-streaming floor at ``--bandwidth``.
+  remove), and the weight-streaming floor at ``--bandwidth``; with ``--cuda-graphs`` the
+  same steps replayed through :class:`specdec.executor.cuda_graphs.CudaGraphs` too.
 * ``attention``: the paged attention alone, Triton kernel against the torch path, for
   decode (1 query per sequence) and a 16-node tree: per call (``do_bench``: host launch
   included) and on the device (20 calls in a CUDA graph, replayed), against the floor of
@@ -20,7 +23,8 @@ Parts, each printed as a table:
 * ``eagle3``: plain against EAGLE-3 (a random head in the published layout, chain of
   ``max_draft_len`` 3, drafting every step) at batch 1 and 8; random heads accept
   nothing, so the figure is each step's cost: the speedup at a mean acceptance length
-  ``tau`` is ``tau * plain_step / eagle3_step``.
+  ``tau`` is ``tau * plain_step / eagle3_step``. With ``--cuda-graphs`` both engines
+  replay graphs of the target forward (the drafts run eagerly).
 """
 
 from __future__ import annotations
@@ -126,30 +130,39 @@ def specdec_generate(llm, ids: list[list[int]], new: int) -> float:
 
 
 def part_generate(model, directory, args) -> list[dict]:
-    llm = build_llm(model, directory, max_batch_size=max(args.batches))
+    engines = {"specdec": build_llm(model, directory, max_batch_size=max(args.batches))}
+    if args.cuda_graphs:
+        engines["graphs"] = build_llm(model, directory, max_batch_size=max(args.batches), cuda_graphs=True)
     rows = []
     for batch in args.batches:
         ids = prompts(batch, args.prompt_len, model.config.vocab_size, batch)
-        hf_generate(model, ids, 8)  # warm-up: kernels compiled, allocator primed
-        specdec_generate(llm, ids, 8)
-        hf, spec = [], []
+        hf_generate(model, ids, 8)  # warm-up: kernels compiled, graphs captured, allocator primed
+        for llm in engines.values():
+            specdec_generate(llm, ids, 8)
+        rates: dict[str, list[float]] = {"hf": [], **{name: [] for name in engines}}
         for _ in range(args.repeats):
-            hf.append(hf_generate(model, ids, args.new_tokens))
-            spec.append(specdec_generate(llm, ids, args.new_tokens))
-        rows.append({"batch": batch, "hf_tok_s": statistics.median(hf), "specdec_tok_s": statistics.median(spec),
-                     "ratio": statistics.median(s / h for s, h in zip(spec, hf))})
-        print(f"generate batch {batch}: HF {rows[-1]['hf_tok_s']:.1f} tok/s, specdec {rows[-1]['specdec_tok_s']:.1f}"
-              f" tok/s, ratio {rows[-1]['ratio']:.2f}", flush=True)
-    del llm
+            rates["hf"].append(hf_generate(model, ids, args.new_tokens))
+            for name, llm in engines.items():
+                rates[name].append(specdec_generate(llm, ids, args.new_tokens))
+        row = {"batch": batch, "hf_tok_s": statistics.median(rates["hf"])}
+        for name in engines:
+            row[f"{name}_tok_s"] = statistics.median(rates[name])
+            row[f"{name}_ratio"] = statistics.median(s / h for s, h in zip(rates[name], rates["hf"]))
+        rows.append(row)
+        print(f"generate batch {batch}: HF {row['hf_tok_s']:.1f} tok/s, " + ", ".join(
+            f"{name} {row[f'{name}_tok_s']:.1f} tok/s (ratio {row[f'{name}_ratio']:.2f})" for name in engines),
+            flush=True)
+    del engines
     return rows
 
 
 # -- one forward ------------------------------------------------------------------------
 
 
-def step_runner(target, batch: int, context: int, tree: bool, block_size: int = 16):
+def step_runner(target, batch: int, context: int, tree: bool, block_size: int = 16, graphs: bool = False):
     """One forward of ``batch`` requests, each with ``context`` cached tokens and 1 new token
-    (decode) or a 16-node tree (verification)."""
+    (decode) or a 16-node tree (verification); through CUDA graphs if ``graphs``."""
+    from specdec.executor.cuda_graphs import CudaGraphs
     from specdec.executor.model_runner import ForwardMetadata
     from specdec.kernels import AttentionLayout, SequenceSlice
     from specdec.kvcache import PagedKVCache
@@ -174,11 +187,12 @@ def step_runner(target, batch: int, context: int, tree: bool, block_size: int = 
     ids = torch.randint(0, target.vocab_size, (batch * new,), generator=g).to(target.device)
     positions = torch.cat([s.positions for s in seqs]).to(target.device)
     rows = torch.arange(batch * new, device=target.device)  # verification reads every token's logits
+    forward = (CudaGraphs(target, cache, block_size, context + 64, batch).forward if graphs else target.forward)
 
     def run():
         # the layout is rebuilt each step, as the engine does
         layout = AttentionLayout(seqs, block_size, target.device)
-        target.forward(ids, positions, ForwardMetadata(cache=cache, layout=layout), rows)
+        forward(ids, positions, ForwardMetadata(cache=cache, layout=layout), rows)
 
     return run
 
@@ -262,12 +276,21 @@ def part_steps(model, directory, args) -> list[dict]:
             row[f"{label}_ms"] = wall_ms(run, args.steps)
             row[f"{label}_gpu_ms"] = gpu_busy_ms(run)
             del run
+            if args.cuda_graphs:
+                run = step_runner(target, batch, args.context, tree, graphs=True)
+                row[f"{label}_graph_ms"] = wall_ms(run, args.steps)
+                del run
             torch.cuda.empty_cache()
         row["verify_over_decode"] = row["verify16_ms"] / row["decode_ms"]
+        graphed = ""
+        if args.cuda_graphs:
+            row["graph_verify_over_decode"] = row["verify16_graph_ms"] / row["decode_graph_ms"]
+            graphed = (f"; CUDA graphs: decode {row['decode_graph_ms']:.2f} ms, verify16 {row['verify16_graph_ms']:.2f}"
+                       f" ms, verify/decode {row['graph_verify_over_decode']:.2f}")
         rows.append(row)
         print(f"steps batch {batch}: decode {row['decode_ms']:.2f} ms (GPU busy {row['decode_gpu_ms']:.2f}), "
               f"verify16 {row['verify16_ms']:.2f} ms (GPU busy {row['verify16_gpu_ms']:.2f}), "
-              f"verify/decode {row['verify_over_decode']:.2f}, floor {floor:.2f} ms", flush=True)
+              f"verify/decode {row['verify_over_decode']:.2f}, floor {floor:.2f} ms{graphed}", flush=True)
     del llm
     return rows
 
@@ -347,9 +370,10 @@ def random_eagle3_head(model, directory: Path) -> Path:
 
 def part_eagle3(model, directory, args) -> list[dict]:
     head = random_eagle3_head(model, directory)
-    plain = build_llm(model, directory, max_batch_size=8)
+    plain = build_llm(model, directory, max_batch_size=8, cuda_graphs=args.cuda_graphs)
     spec = build_llm(model, directory, {"decoding_type": "eagle3", "speculative_model": str(head),
-                                        "max_draft_len": 3, "adaptive": False}, max_batch_size=8)
+                                        "max_draft_len": 3, "adaptive": False}, max_batch_size=8,
+                     cuda_graphs=args.cuda_graphs)
     rows = []
     for batch in (1, 8):
         ids = prompts(batch, args.prompt_len, model.config.vocab_size, 100 + batch)
@@ -365,7 +389,8 @@ def part_eagle3(model, directory, args) -> list[dict]:
                      "eagle3_tok_s_no_acceptance": statistics.median(s_rates),
                      "plain_step_ms": plain_step * 1000, "eagle3_step_ms": spec_step * 1000,
                      "breakeven_tau": spec_step / plain_step})
-        print(f"eagle3 batch {batch}: plain {plain_step * 1000:.2f} ms/step, eagle3 chain-3 step "
+        print(f"eagle3 batch {batch}{' (CUDA graphs)' if args.cuda_graphs else ''}: plain {plain_step * 1000:.2f} "
+              f"ms/step, eagle3 chain-3 step "
               f"{spec_step * 1000:.2f} ms (draft 3 + verify 4, random head: nothing accepted); speedup at tau = "
               f"tau / {spec_step / plain_step:.2f}", flush=True)
     return rows
@@ -386,6 +411,7 @@ def main() -> None:
     p.add_argument("--json", help="write every row here")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--kv-cache-mb", type=int, default=12288, help="each engine's KV cache")
+    p.add_argument("--cuda-graphs", action="store_true", help="time engine.cuda_graphs beside the eager forward")
     args = p.parse_args()
     global DEVICE, KV_CACHE_MB
     DEVICE = torch.device(args.device)

@@ -26,13 +26,14 @@ import torch
 
 from ..config import EngineConfig, SpeculativeConfig
 from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
-from ..errors import RequestError
+from ..errors import FieldError, RequestError
 from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
 from ..kernels.invariant import mode_costs_nothing
 from ..kvcache import HiddenStateCache, KVCacheManager, PagedKVCache
 from ..sampler import (Verdict, apply_repetition_penalty, probs_from_logits, verify_greedy, verify_greedy_batch,
                        verify_sampled)
 from ..sampling_params import SamplingParams
+from .cuda_graphs import CudaGraphs
 from .draft_planner import DraftPlanner, StepShape, attention_work
 from .metrics import RequestMetrics
 from .model_runner import ForwardMetadata, TargetModel
@@ -97,6 +98,9 @@ def _reads_prompt_hidden_states(hooks: pluggy.PluginManager) -> bool:
 class Engine:
     def __init__(self, target: TargetModel, config: EngineConfig, spec: SpeculativeConfig | None = None,
                  hooks: pluggy.PluginManager | None = None, seed: int = 0):
+        if config.cuda_graphs and target.device.type != "cuda":
+            raise FieldError("engine.cuda_graphs", f"the target runs on {target.device.type}; CUDA graphs need a "
+                                                   "CUDA device (device: cuda): set cuda_graphs: false")
         self.target = target
         self.config = config
         self.spec = spec
@@ -139,6 +143,9 @@ class Engine:
         attention_is_kernel = (invariant_attention_is_kernel(target.device) if self.batch_invariant
                                else paged_attention_is_triton(target.device))
         self._padded_attention = not attention_is_kernel
+        #: the target forward through CUDA graphs where a step fits one (``engine.cuda_graphs``)
+        self.cuda_graphs = (CudaGraphs(target, cache, config.block_size, self.max_model_len, config.max_batch_size)
+                            if config.cuda_graphs else None)
         self._tree_batch = self.batch_invariant and not attention_is_kernel
         self._warned: set[str] = set()
         #: drafter faults by kind (the requests' ``num_drafter_faults`` summed).
@@ -384,10 +391,10 @@ class Engine:
         layout = AttentionLayout([SequenceSlice(block_table=it.request.block_table, start=it.start,
                                                 positions=it.positions, tree_mask=it.tree_mask) for it in items],
                                  self.kv.block_size, device)
-        return self.target.forward(torch.tensor(tokens, device=device), layout.query_positions,
-                                   ForwardMetadata(cache=self.kv.cache, layout=layout,
-                                                   batch_invariant=self.batch_invariant),
-                                   torch.tensor(rows, device=device, dtype=torch.long))
+        forward = self.target.forward if self.cuda_graphs is None else self.cuda_graphs.forward
+        return forward(torch.tensor(tokens, device=device), layout.query_positions,
+                       ForwardMetadata(cache=self.kv.cache, layout=layout, batch_invariant=self.batch_invariant),
+                       torch.tensor(rows, device=device, dtype=torch.long))
 
     def _greedy_verdicts(self, items: list[_Item], logits: torch.Tensor) -> dict[int, Verdict]:
         """Verdicts of every plain-greedy item, prefill or decode, from one batched verification."""

@@ -307,12 +307,20 @@ class TargetModel:
         ``input_ids`` and ``positions`` are ``[T]``; every token's K/V lands in its slot
         (``meta.layout``).
         """
-        self._captured = {}
         if self._compiled is not None:
+            self._captured = {}
             return self._compiled_logits(input_ids[None], positions[None], meta, logits_rows), self._captured
+        logits, captured = self.forward_raw(input_ids, positions, meta, logits_rows)
+        return logits.float(), captured
+
+    def forward_raw(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
+                    logits_rows: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The eager forward as :meth:`forward`, its logits in the model's dtype: what a
+        CUDA graph captures (:mod:`.cuda_graphs`), which reads its outputs after a replay."""
+        self._captured = {}
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
                          logits_to_keep=logits_rows, specdec=meta)
-        return out.logits[0].float(), self._captured
+        return out.logits[0], self._captured
 
     def _compiled_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                          rows: torch.Tensor) -> torch.Tensor:

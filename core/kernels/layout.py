@@ -101,10 +101,16 @@ class SequenceSlice:
 
 
 class AttentionLayout:
-    def __init__(self, seqs: list[SequenceSlice], block_size: int, device: torch.device):
+    """``context_bound``: the longest context the Triton kernel plans its key splits for
+    (None: this step's longest); a CUDA graph's layout sets it to the model's limit, so
+    that one launch serves every step it replays."""
+
+    def __init__(self, seqs: list[SequenceSlice], block_size: int, device: torch.device,
+                 context_bound: int | None = None):
         self.seqs = seqs
         self.block_size = block_size
         self.device = device
+        self.context_bound = context_bound
         self.num_tokens = sum(len(s.positions) for s in seqs)
         self._window_masks: dict[int, torch.Tensor] = {}
         self.kernel_cache: dict = {}  # what kernels derive from the layout, per step

@@ -18,16 +18,18 @@ import triton.language as tl
 def _paged_attention_kernel(Q, K, V, O, M_part, L_part, O_part, block_tables, tree_mask, first_token, starts, num_new,
                             tile_seq, tile_row, qpos, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                             stride_ot, stride_oh, stride_bt, stride_tm, stride_ps, stride_pt, scale, softcap, window,
-                            rep, block_size, split_len, D, DV, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                            rep, block_size, D, DV, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
                             SPLIT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One program per (tile of a sequence's query rows, KV head, split of its keys).
 
     A tile's rows are the sequence's new tokens times the query heads sharing this KV
     head, so each key block is read once for all of them and multiplied on the tensor
-    cores (``tl.dot``); long contexts are cut in ``split_len`` key splits whose partial
-    softmax sums (``SPLIT``) the combine kernel adds. Committed keys are all visible, new
-    keys per the tree mask."""
+    cores (``tl.dot``); long contexts are cut in as many key splits as the launch has
+    (whole key blocks, each sequence's own context divided evenly, so that a CUDA graph's
+    fixed launch serves any context), whose partial softmax sums (``SPLIT``) the combine
+    kernel adds; a split past a sequence's end stores an empty sum. Committed keys are all
+    visible, new keys per the tree mask."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,6 +52,7 @@ def _paged_attention_kernel(Q, K, V, O, M_part, L_part, O_part, block_tables, tr
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    split_len = tl.cdiv(tl.cdiv(total, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, total)
     for k0 in range(lo, hi, BLOCK_N):
@@ -136,8 +139,10 @@ def _target_programs(device: torch.device) -> int:
 
 
 def _attention_plan(layout, rep: int, kv_heads: int) -> dict:
-    """Tiles of query rows and key splits of one step's layout for ``kv_heads`` KV heads of
-    ``rep`` query heads each (cached on the layout: every layer of the step uses the same)."""
+    """Tiles of query rows and the number of key splits of one step's layout for
+    ``kv_heads`` KV heads of ``rep`` query heads each (cached on the layout: every layer of
+    the step uses the same). The splits are planned for the step's longest context, or for
+    ``layout.context_bound`` where a CUDA graph fixes the launch for every context it replays."""
     key = ("paged_attention", rep, kv_heads)
     if key not in layout.kernel_cache:
         rows = [len(s.positions) * rep for s in layout.seqs]
@@ -147,16 +152,13 @@ def _attention_plan(layout, rep: int, kv_heads: int) -> dict:
             for r0 in range(0, n, block_m):
                 tile_seq.append(i)
                 tile_row.append(r0)
-        longest = max(s.start + len(s.positions) for s in layout.seqs)
+        longest = layout.context_bound or max(s.start + len(s.positions) for s in layout.seqs)
         work = len(tile_seq) * kv_heads
         programs = _target_programs(torch.device(layout.device))
         splits = max(1, min(-(-programs // max(work, 1)), -(-longest // _MIN_SPLIT)))
-        split_len = -(-longest // splits)
-        split_len = -(-split_len // _BLOCK_N) * _BLOCK_N  # whole key blocks per split
-        splits = -(-longest // split_len)
         to = lambda x: torch.tensor(x, dtype=torch.int32, device=layout.device)  # noqa: E731
         layout.kernel_cache[key] = {"tile_seq": to(tile_seq), "tile_row": to(tile_row), "block_m": block_m,
-                                    "splits": splits, "split_len": split_len}
+                                    "splits": splits}
     return layout.kernel_cache[key]
 
 
@@ -183,7 +185,7 @@ def paged_attention_triton(query, key_pool, value_pool, layout, scale, sliding_w
         query.stride(1), query.stride(0), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
         value_pool.stride(1), out.stride(0), out.stride(1), kt["block_tables"].stride(0), kt["tree_mask"].stride(0),
         tokens * heads, heads, float(scale), float(softcap or 1.0), int(sliding_window or 0), rep, layout.block_size,
-        plan["split_len"], dim, dim_v, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=bool(sliding_window),
+        dim, dim_v, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=bool(sliding_window),
         SPLIT=splits > 1, DOT_F32=query.dtype == torch.float32 or _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_DV=block_dv)
     if splits > 1:

@@ -12,11 +12,14 @@ class PagedKVCache:
 
     ``layer_shapes[i] = (kv_heads, key_dim, value_dim)``: read off the model by a probe
     forward, so grouped-query, multi-latent (DeepSeek) and per-layer head sizes all fit.
+    One more slot past the blocks, :attr:`scratch_slot`, belongs to no block: a CUDA
+    graph's padding tokens write their K/V there (:mod:`specdec.executor.cuda_graphs`).
     """
 
     def __init__(self, layer_shapes: list[tuple[int, int, int]], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device):
-        slots = num_blocks * block_size
+        self.scratch_slot = num_blocks * block_size
+        slots = self.scratch_slot + 1
         self.keys = [torch.zeros(slots, h, dk, dtype=dtype, device=device) for h, dk, _ in layer_shapes]
         self.values = [torch.zeros(slots, h, dv, dtype=dtype, device=device) for h, _, dv in layer_shapes]
 
