@@ -6,6 +6,7 @@ import torch
 from specdec.kernels import chain_rejection_torch, greedy_tree_verify_torch
 from specdec.kernels.attention import paged_attention_torch
 from specdec.kernels.kv_copy import copy_kv_slots_torch
+from specdec.kernels import AttentionLayout, SequenceSlice
 from specdec.kernels.layout import slot_ids
 from specdec.sampler import verify_greedy
 from specdec import DraftProposal
@@ -43,6 +44,40 @@ def test_paged_attention_matches_reference(case):
     query = torch.randn(heads, layout.num_tokens, dim, generator=gen).to(DEVICE)
     want = paged_attention_torch(query, keys, values, layout, dim ** -0.5, window, softcap)
     got = triton_kernels.paged_attention_triton(query, keys, values, layout, dim ** -0.5, window, softcap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+PENDING_CASES = [  # heads, kv_heads, dim, block size, sequences: (cached, of them pending, new)
+    (4, 2, 16, 4, [(9, 3, 2)]),
+    (4, 2, 16, 8, [(12, 4, 3), (7, 0, 1), (20, 6, 4)]),
+    (8, 2, 32, 32, [(700, 5, 3), (300, 2, 2), (40, 0, 1)]),  # long enough for key splits
+]
+
+
+@pytest.mark.parametrize("case", range(len(PENDING_CASES)))
+def test_paged_attention_with_pending_tree_nodes_matches_reference(case):
+    """A draft tree expanded level by level: each new node sees the committed tokens, the
+    pending nodes of earlier levels its mask names (the last cached ones) and its own
+    ancestors among the new nodes."""
+    heads, kv_heads, dim, bs, shapes = PENDING_CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    free = torch.randperm(256, generator=gen).tolist()
+    seqs = []
+    for cached, pending, new in shapes:
+        table = [free.pop() for _ in range(-(-(cached + new) // bs))]
+        tree = torch.tril(torch.rand(new, new, generator=gen) < 0.5) | torch.eye(new, dtype=torch.bool)
+        sees = torch.rand(new, pending, generator=gen) < 0.5 if pending else None
+        positions = cached - pending + torch.randint(0, 4, (new,), generator=gen)
+        seqs.append(SequenceSlice(block_table=table, start=cached, positions=positions, tree_mask=tree,
+                                  pending_mask=sees,
+                                  pending_positions=cached - pending + torch.arange(pending) if pending else None))
+    layout = AttentionLayout(seqs, bs, torch.device(DEVICE))
+    assert layout.has_pending
+    keys = torch.randn(256 * bs, kv_heads, dim, generator=gen).to(DEVICE)
+    values = torch.randn(256 * bs, kv_heads, dim, generator=gen).to(DEVICE)
+    query = torch.randn(heads, layout.num_tokens, dim, generator=gen).to(DEVICE)
+    want = paged_attention_torch(query, keys, values, layout, dim ** -0.5)
+    got = triton_kernels.paged_attention_triton(query, keys, values, layout, dim ** -0.5)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 

@@ -72,7 +72,7 @@ def paged_attention_is_triton(device: torch.device | str) -> bool:
 
 
 def paged_attention(query, key_pool, value_pool, layout: AttentionLayout, scale, sliding_window=None, softcap=None):
-    if layout.has_pending:  # draft-tree levels: only the reference reads pending masks
+    if layout.has_pending and sliding_window:  # pending draft nodes' key positions: only the reference reads them
         return paged_attention_torch(query, key_pool, value_pool, layout, scale, sliding_window, softcap)
     return _dispatch("paged_attention_triton", query, paged_attention_torch,
                      query, key_pool, value_pool, layout, scale, sliding_window, softcap)

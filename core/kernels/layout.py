@@ -89,7 +89,7 @@ class SequenceSlice:
     ``j`` (None: causal). Every new token sees every cached token, except where
     ``pending_mask`` (``[n, m]``) says otherwise for the last ``m`` cached ones: the nodes
     of a draft tree expanded level by level, which sit at ``pending_positions``. Layouts
-    with a pending mask run on the torch reference.
+    with a pending mask and a sliding window run on the torch reference.
     """
 
     block_table: list[int]
@@ -414,16 +414,25 @@ class AttentionLayout:
     def kernel_tensors(self) -> dict[str, torch.Tensor]:
         """Per sequence: block table, committed tokens (``starts``), new tokens (``num_new``)
         and the packed index of its first new token (``first_token``); per token: its tree
-        mask row over its sequence's new tokens (padded)."""
+        mask row over its sequence's new tokens (padded). With pending draft nodes, also
+        per sequence their number (``num_pending``, the last cached tokens) and per token
+        its pending mask row over them (``pending_mask``, padded)."""
         width = max(len(s.block_table) for s in self.seqs)
         max_new = max(len(s.positions) for s in self.seqs)
         tables = torch.zeros(len(self.seqs), width, dtype=torch.int32)
         trees = torch.zeros(self.num_tokens, max_new, dtype=torch.int8)
+        pending = [s.pending_mask.shape[1] if s.pending_mask is not None else 0 for s in self.seqs]
+        pending_rows = torch.zeros(self.num_tokens, max(pending), dtype=torch.int8) if self.has_pending else None
         for i, (s, row) in enumerate(zip(self.seqs, self.first_tokens)):
             n = len(s.positions)
             tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
             trees[row:row + n, :n] = self._tree(s).to(torch.int8)
+            if pending[i]:
+                pending_rows[row:row + n, :pending[i]] = s.pending_mask.cpu().to(torch.int8)
         to = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)  # noqa: E731
-        return {"block_tables": tables.to(self.device), "tree_mask": trees.to(self.device),
-                "first_token": to(self.first_tokens), "starts": to([s.start for s in self.seqs]),
-                "num_new": to([len(s.positions) for s in self.seqs])}
+        out = {"block_tables": tables.to(self.device), "tree_mask": trees.to(self.device),
+               "first_token": to(self.first_tokens), "starts": to([s.start for s in self.seqs]),
+               "num_new": to([len(s.positions) for s in self.seqs])}
+        if pending_rows is not None:
+            out.update(pending_mask=pending_rows.to(self.device), num_pending=to(pending))
+        return out

@@ -15,10 +15,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _paged_attention_kernel(Q, K, V, O, M_part, L_part, O_part, block_tables, tree_mask, first_token, starts, num_new,
-                            tile_seq, tile_row, qpos, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-                            stride_ot, stride_oh, stride_bt, stride_tm, stride_ps, stride_pt, scale, softcap, window,
-                            rep, block_size, D, DV, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+def _paged_attention_kernel(Q, K, V, O, M_part, L_part, O_part, block_tables, tree_mask, pending_mask, num_pending,
+                            first_token, starts, num_new, tile_seq, tile_row, qpos, stride_qt, stride_qh, stride_ks,
+                            stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt, stride_tm, stride_pm,
+                            stride_ps, stride_pt, scale, softcap, window, rep, block_size, D, DV,
+                            HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PENDING: tl.constexpr,
                             SPLIT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """One program per (tile of a sequence's query rows, KV head, split of its keys).
@@ -29,7 +30,8 @@ def _paged_attention_kernel(Q, K, V, O, M_part, L_part, O_part, block_tables, tr
     (whole key blocks, each sequence's own context divided evenly, so that a CUDA graph's
     fixed launch serves any context), whose partial softmax sums (``SPLIT``) the combine
     kernel adds; a split past a sequence's end stores an empty sum. Committed keys are all
-    visible, new keys per the tree mask."""
+    visible, new keys per the tree mask, except the last ``num_pending`` cached ones where
+    ``HAS_PENDING`` (a draft tree's earlier levels): per the pending mask."""
     tile = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -37,6 +39,9 @@ def _paged_attention_kernel(Q, K, V, O, M_part, L_part, O_part, block_tables, tr
     start = tl.load(starts + seq)
     n_new = tl.load(num_new + seq)
     total = start + n_new
+    committed = start  # keys every new token sees
+    if HAS_PENDING:
+        committed = start - tl.load(num_pending + seq)
     first = tl.load(first_token + seq)
     r = tl.load(tile_row + tile) + tl.arange(0, BLOCK_M)
     row_ok = r < n_new * rep
@@ -73,7 +78,13 @@ def _paged_attention_kernel(Q, K, V, O, M_part, L_part, O_part, block_tables, tr
         j = idx - start
         sees = tl.load(tree_mask + tok[:, None] * stride_tm + j[None, :],
                        mask=row_ok[:, None] & (valid & is_new)[None, :], other=0)
-        visible = row_ok[:, None] & valid[None, :] & ((idx < start)[None, :] | (sees != 0))
+        seen = (idx < committed)[None, :] | (sees != 0)
+        if HAS_PENDING:
+            is_pending = (idx >= committed) & (idx < start)
+            pending_sees = tl.load(pending_mask + tok[:, None] * stride_pm + (idx - committed)[None, :],
+                                   mask=row_ok[:, None] & (valid & is_pending)[None, :], other=0)
+            seen = seen | (pending_sees != 0)
+        visible = row_ok[:, None] & valid[None, :] & seen
         if HAS_WINDOW:
             key_pos = tl.where(is_new, tl.load(qpos + first + j, mask=valid & is_new, other=0), idx)
             visible = visible & (my_pos[:, None] - key_pos[None, :] < window)
@@ -163,11 +174,16 @@ def _attention_plan(layout, rep: int, kv_heads: int) -> dict:
 
 
 def paged_attention_triton(query, key_pool, value_pool, layout, scale, sliding_window=None, softcap=None):
-    """Same contract as the torch reference: ``query [heads, T, dim]`` -> ``[T, heads, value_dim]``."""
+    """Same contract as the torch reference: ``query [heads, T, dim]`` -> ``[T, heads, value_dim]``,
+    except pending draft nodes beside a sliding window (their keys' positions are not the
+    cache's order), which only the reference attends."""
     heads, tokens, dim = query.shape
     kv_heads, dim_v = key_pool.shape[1], value_pool.shape[2]
     rep = heads // kv_heads
     kt = layout.kernel_tensors
+    # without pending nodes the kernel reads neither: other int tensors stand in
+    pending_mask, num_pending = ((kt["pending_mask"], kt["num_pending"]) if layout.has_pending
+                                 else (kt["tree_mask"], kt["num_new"]))
     plan = _attention_plan(layout, rep, kv_heads)
     block_dv = max(16, triton.next_power_of_2(dim_v))
     out = torch.empty(tokens, heads, dim_v, dtype=query.dtype, device=query.device)
@@ -180,13 +196,14 @@ def paged_attention_triton(query, key_pool, value_pool, layout, scale, sliding_w
         m_part = l_part = o_part = out  # not read
     grid = (len(plan["tile_seq"]), kv_heads, splits)
     _paged_attention_kernel[grid](
-        query, key_pool, value_pool, out, m_part, l_part, o_part, kt["block_tables"], kt["tree_mask"],
-        kt["first_token"], kt["starts"], kt["num_new"], plan["tile_seq"], plan["tile_row"], layout.query_positions,
-        query.stride(1), query.stride(0), key_pool.stride(0), key_pool.stride(1), value_pool.stride(0),
-        value_pool.stride(1), out.stride(0), out.stride(1), kt["block_tables"].stride(0), kt["tree_mask"].stride(0),
-        tokens * heads, heads, float(scale), float(softcap or 1.0), int(sliding_window or 0), rep, layout.block_size,
-        dim, dim_v, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=bool(sliding_window),
-        SPLIT=splits > 1, DOT_F32=query.dtype == torch.float32 or _INTERPRETED, BLOCK_M=plan["block_m"],
+        query, key_pool, value_pool, out, m_part, l_part, o_part, kt["block_tables"], kt["tree_mask"], pending_mask,
+        num_pending, kt["first_token"], kt["starts"], kt["num_new"], plan["tile_seq"], plan["tile_row"],
+        layout.query_positions, query.stride(1), query.stride(0), key_pool.stride(0), key_pool.stride(1),
+        value_pool.stride(0), value_pool.stride(1), out.stride(0), out.stride(1), kt["block_tables"].stride(0),
+        kt["tree_mask"].stride(0), pending_mask.stride(0), tokens * heads, heads, float(scale), float(softcap or 1.0),
+        int(sliding_window or 0), rep, layout.block_size, dim, dim_v, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=bool(sliding_window), HAS_PENDING=layout.has_pending, SPLIT=splits > 1,
+        DOT_F32=query.dtype == torch.float32 or _INTERPRETED, BLOCK_M=plan["block_m"],
         BLOCK_N=_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_DV=block_dv)
     if splits > 1:
         _combine_splits_kernel[(tokens, heads)](m_part, l_part, o_part, out, splits, heads, tokens * heads, heads,
