@@ -95,6 +95,14 @@ class _EngineCollector:
                                  ("specdec_kv_cache_usage", "share of KV blocks in use", pool.usage()),
                                  ("specdec_kv_cache_blocks", "KV blocks in the pool", pool.num_blocks)):
             yield GaugeMetricFamily(name, doc, value=value)
+        graphs = engine.cuda_graphs
+        if graphs is not None:
+            steps = CounterMetricFamily("specdec_cuda_graph_steps", "target forwards replayed from a CUDA graph, or "
+                                        "run eagerly where no graph's bucket held the step", labels=["path"])
+            steps.add_metric(["replayed"], graphs.replays)
+            steps.add_metric(["eager"], graphs.eager_steps)
+            yield steps
+            yield GaugeMetricFamily("specdec_cuda_graphs", "CUDA graphs captured", value=graphs.num_graphs)
 
 
 class ServerMetrics:

@@ -110,7 +110,9 @@ class CudaGraphs:
         self.block_size = block_size
         self.batches = batch_buckets(max_batch)
         self.table_width = -(-(max_model_len + WIDTHS[-1]) // block_size)
+        #: target forwards replayed from a graph, and run eagerly (no bucket held the step)
         self.replays = 0
+        self.eager_steps = 0
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self._disabled = False
@@ -150,6 +152,7 @@ class CudaGraphs:
         key = self.bucket(meta)
         graph = None if key is None else self._graphs.get(key) or self._capture(*key)
         if graph is None:
+            self.eager_steps += 1
             return self.target.forward(input_ids, positions, meta, logits_rows)
         batch, width = key
         tokens = batch * width
