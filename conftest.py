@@ -1,5 +1,7 @@
 """Options of the whole test suite (tests, plugins, examples)."""
 
+import contextlib
+
 import pytest
 
 
@@ -13,13 +15,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("--cuda-graphs"):
         return
     import attrs
+    from specdec.errors import ConfigError
     from specdec.executor import engine
 
     build = engine.Engine.__init__
 
     def graphed(self, target, config, *args, **kwargs):
-        if target.device.type == "cuda" and not config.compile and config.batch_invariant is not True:
-            config = attrs.evolve(config, cuda_graphs=True)
+        if target.device.type == "cuda":
+            with contextlib.suppress(ConfigError):  # options that rule graphs out keep them off
+                config = attrs.evolve(config, cuda_graphs=True)
         build(self, target, config, *args, **kwargs)
 
     engine.Engine.__init__ = graphed

@@ -75,14 +75,15 @@ class PaddedStep:
 
 def pad_step(seqs: list[SequenceSlice], batch: int, width: int, block_size: int, scratch_slot: int) -> PaddedStep:
     """:class:`PaddedStep` of ``seqs`` (at most ``batch`` of them, at most ``width`` new
-    tokens each), in a few tensor operations whatever the batch (a graphed step's host
+    tokens each; none: all padding), in a few tensor operations whatever the batch (a graphed step's host
     work is most of what it costs beyond the GPU's)."""
-    counts = torch.tensor([len(s.positions) for s in seqs])
-    longest = max(len(s.block_table) for s in seqs)
+    counts = torch.tensor([len(s.positions) for s in seqs], dtype=torch.long)
+    longest = max((len(s.block_table) for s in seqs), default=0)
     tables = torch.zeros(batch, longest, dtype=torch.long)
-    tables[:len(seqs)] = torch.tensor([s.block_table + [0] * (longest - len(s.block_table)) for s in seqs])
     starts = torch.zeros(batch, dtype=torch.long)
-    starts[:len(seqs)] = torch.tensor([s.start for s in seqs])
+    if seqs:
+        tables[:len(seqs)] = torch.tensor([s.block_table + [0] * (longest - len(s.block_table)) for s in seqs])
+        starts[:len(seqs)] = torch.tensor([s.start for s in seqs])
     seq = torch.repeat_interleave(torch.arange(len(seqs)), counts)
     local = torch.arange(len(seq)) - (torch.cumsum(counts, 0) - counts)[seq]  # each token's index in its sequence
     index = seq * width + local
@@ -154,20 +155,24 @@ class CudaGraphs:
         if graph is None:
             self.eager_steps += 1
             return self.target.forward(input_ids, positions, meta, logits_rows)
-        batch, width = key
-        tokens = batch * width
-        step = pad_step(meta.layout.seqs, batch, width, self.block_size, self.cache.scratch_slot)
-        index = step.index.to(self.target.device)
-        self._slots[:tokens].copy_(step.slots)
-        self._tables[:batch, :step.tables.shape[1]].copy_(step.tables)
-        self._starts[:batch].copy_(step.starts)
-        self._tree[:tokens * width].copy_(step.tree.flatten())
+        index = self._load(meta.layout.seqs, *key).to(self.target.device)
         self._ids.index_copy_(0, index, input_ids)
         self._positions.index_copy_(0, index, positions)
         graph.graph.replay()
         self.replays += 1
         logits = graph.logits.index_select(0, index.index_select(0, logits_rows)).float()
         return logits, {layer: h.index_select(0, index) for layer, h in graph.hidden.items()}
+
+    def _load(self, seqs: list[SequenceSlice], batch: int, width: int) -> torch.Tensor:
+        """Write ``seqs`` padded to ``batch x width`` (:func:`pad_step`) into the static
+        buffers; the padded row of each of their tokens (host)."""
+        tokens = batch * width
+        step = pad_step(seqs, batch, width, self.block_size, self.cache.scratch_slot)
+        self._slots[:tokens].copy_(step.slots)
+        self._tables[:batch, :step.tables.shape[1]].copy_(step.tables)
+        self._starts[:batch].copy_(step.starts)
+        self._tree[:tokens * width].copy_(step.tree.flatten())
+        return step.index
 
     def _static_step(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor, ForwardMetadata, torch.Tensor]:
         """The forward arguments of a ``batch x width`` graph: token ids, positions, and a
@@ -184,10 +189,7 @@ class CudaGraphs:
                             "first_token": torch.arange(0, tokens, width, dtype=torch.int32, device=device),
                             "starts": self._starts[:batch],
                             "num_new": torch.full((batch,), width, dtype=torch.int32, device=device)})
-        self._slots[:tokens].fill_(self.cache.scratch_slot)
-        self._tables[:batch].zero_()
-        self._starts[:batch].zero_()
-        tree.copy_(torch.eye(width, dtype=torch.int8, device=device).repeat(batch, 1))
+        self._load([], batch, width)
         meta = ForwardMetadata(cache=self.cache, layout=layout)
         return self._ids[:tokens], self._positions[:tokens], meta, torch.arange(tokens, device=device)
 
