@@ -14,7 +14,8 @@ Parts, each printed as a table:
   decode step (1 new token per request) and a 16-token tree verification (a 16-node tree
   per request), at batch 1, 8 and 32, after ``--context`` cached tokens; wall time per
   step, the GPU's busy time in it (the profiler's kernel time: what CUDA graphs could not
-  remove), and the weight-streaming floor at ``--bandwidth``; with ``--cuda-graphs`` the
+  remove) split into matmul, attention and other kernels with the heaviest kernels
+  listed, and the weight-streaming floor at ``--bandwidth``; with ``--cuda-graphs`` the
   same steps replayed through :class:`specdec.executor.cuda_graphs.CudaGraphs` too.
 * ``attention``: the paged attention alone, Triton kernel against the torch path, for
   decode (1 query per sequence) and a 16-node tree: per call (``do_bench``: host launch
@@ -247,18 +248,37 @@ def graph_ms(fn, calls: int = 20) -> float:
     return statistics.median(times)
 
 
-def gpu_busy_ms(run) -> float:
-    """The GPU kernels' own time in one step (what remains if launch gaps vanished)."""
+MATMUL_KERNELS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")
+ATTENTION_KERNELS = ("attention", "attn", "paged", "combine")
+
+
+def kernel_group(name: str) -> str:
+    lowered = name.lower()
+    if any(k in lowered for k in ATTENTION_KERNELS):
+        return "attention"
+    return "matmul" if any(k in lowered for k in MATMUL_KERNELS) else "other"
+
+
+def gpu_busy_ms(run) -> tuple[float, dict]:
+    """The GPU kernels' own time in one step (what remains if launch gaps vanished), and
+    that time by kernel: ``{"groups": {matmul, attention, other: ms}, "top": [[name, ms,
+    calls], ...]}``, the profile that says what a verification adds to a decode."""
     from torch.profiler import ProfilerActivity, profile
 
     if DEVICE.type != "cuda":
-        return float("nan")
+        return float("nan"), {}
     run()
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         sync()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000
+    kernels = [(e.key, e.self_device_time_total / 1000, e.count) for e in prof.key_averages()
+               if e.self_device_time_total > 0]
+    groups: dict[str, float] = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for name, ms, _ in kernels:
+        groups[kernel_group(name)] += ms
+    top = sorted(kernels, key=lambda k: -k[1])[:12]
+    return sum(ms for _, ms, _ in kernels), {"groups": groups, "top": [[n[:90], ms, c] for n, ms, c in top]}
 
 
 def part_steps(model, directory, args) -> list[dict]:
@@ -274,7 +294,13 @@ def part_steps(model, directory, args) -> list[dict]:
         for label, tree in (("decode", False), ("verify16", True)):
             run = step_runner(target, batch, args.context, tree)
             row[f"{label}_ms"] = wall_ms(run, args.steps)
-            row[f"{label}_gpu_ms"] = gpu_busy_ms(run)
+            row[f"{label}_gpu_ms"], row[f"{label}_kernels"] = gpu_busy_ms(run)
+            if row[f"{label}_kernels"]:
+                groups = row[f"{label}_kernels"]["groups"]
+                print(f"steps batch {batch} {label} GPU busy by kernel: " + ", ".join(
+                    f"{g} {ms:.2f} ms" for g, ms in groups.items()), flush=True)
+                for name, ms, calls in row[f"{label}_kernels"]["top"][:6]:
+                    print(f"#   {ms:7.3f} ms {calls:5d}x {name}", flush=True)
             del run
             if args.cuda_graphs:
                 run = step_runner(target, batch, args.context, tree, graphs=True)

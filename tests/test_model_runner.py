@@ -78,7 +78,9 @@ def test_hidden_states_reach_the_drafter_without_recomputation(tiny_models):
     for layer in (0, -1):
         assert first[layer].shape == again[layer].shape == (40, 64)
         assert torch.equal(again[layer][:reused], first[layer][:reused])
-        torch.testing.assert_close(again[layer][reused:], first[layer][reused:], atol=1e-5, rtol=1e-5)
+        # recomputed over cached keys: the attention sums in another order (on an H200 in
+        # float32 up to 1.2e-5 apart), far less than a wrong position or a missing key moves them
+        torch.testing.assert_close(again[layer][reused:], first[layer][reused:], atol=1e-4, rtol=1e-4)
     seen[:] = first_run
     prefill = seen[0]
     assert prefill.is_prefill and set(prefill.hidden_states) == {0, -1}
