@@ -8,8 +8,9 @@
 # and runner tests (tracebacks in $OUT/targeted.log), the suite with every CUDA engine
 # graphed (`--cuda-graphs`) for at most SECONDS (default 200; the embedded model is not
 # carried, its tests fail with ModelLoadError and are filtered out), its other failures
-# again eagerly (those passing there are the graphs' own), then (unless TIMINGS=0) the
-# GPU timings with graphs beside eager and Hugging Face generate(): about 7 minutes.
+# again eagerly (those passing there are the graphs' own); before the suite (unless
+# TIMINGS=0) the attention kernel for three split lengths and the GPU timings with graphs
+# beside eager and Hugging Face generate(): about 9 minutes in all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -37,6 +38,16 @@ transformers.__version__, 'triton', triton.__version__)"
         tests/test_draft_runner.py tests/test_model_runner.py > "$OUT/targeted.log" 2>&1
     grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/targeted.log" | cut -c1-240
     echo "== targeted tests done at ${SECONDS}s"
+    if [ "${TIMINGS:-1}" = 1 ]; then
+        # the attention kernel alone, for each shortest key split its plan may cut (a 16-node
+        # tree at batch 1 ran 3 splits, 24 programs, on 132 multiprocessors: session 35)
+        python3 scripts/gpu_timings.py --shape llama-8b --parts attention --batches 1,8,32 \
+            --attention-contexts 528,4096 --min-splits 64,128,256 --json "$OUT/attention.json" 2>&1 | grep -E '^(attention|#)'
+        python3 scripts/gpu_timings.py --shape llama-8b --parts steps,generate,eagle3 --cuda-graphs --batches 1,8,32 \
+            --repeats 2 --new-tokens 64 --steps 10 --kv-cache-mb 8192 --json "$OUT/timings.json" 2>&1 \
+            | grep -E '^(steps|generate|eagle3|#)'
+        echo "== timings done at ${SECONDS}s"
+    fi
     # The whole suite with every CUDA engine graphed; SIGINT at the limit, so pytest still
     # prints its summary of what failed so far. Its failures (less the embedded model's)
     # are then rerun eagerly: the ones that pass there are the graphs' own.
@@ -54,11 +65,6 @@ transformers.__version__, 'triton', triton.__version__)"
         echo "== the same, eager: $(tail -1 "$OUT/eager_rerun.log") (at ${SECONDS}s)"
         grep -E '^(FAILED|ERROR) ' "$OUT/eager_rerun.log" | cut -c1-240
     fi
-    [ "${TIMINGS:-1}" = 0 ] && exit 0
-    python3 scripts/gpu_timings.py --shape llama-8b --parts steps,generate,eagle3 --cuda-graphs --batches 1,8,32 \
-        --repeats 2 --new-tokens 64 --steps 10 --kv-cache-mb 8192 --json "$OUT/timings.json" 2>&1 \
-        | grep -E '^(steps|generate|eagle3|#)'
-    echo "== timings done at ${SECONDS}s"
     ;;
 *)
     echo "usage: $0 prepare | run [SECONDS]" >&2

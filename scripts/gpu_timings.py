@@ -20,7 +20,8 @@ Parts, each printed as a table:
 * ``attention``: the paged attention alone, Triton kernel against the torch path, for
   decode (1 query per sequence) and a 16-node tree: per call (``do_bench``: host launch
   included) and on the device (20 calls in a CUDA graph, replayed), against the floor of
-  reading every cached key and value once at ``--bandwidth``.
+  reading every cached key and value once at ``--bandwidth``; ``--min-splits 64,128,256``
+  repeats it for each shortest key split the kernel's plan may cut.
 * ``eagle3``: plain against EAGLE-3 (a random head in the published layout, chain of
   ``max_draft_len`` 3, drafting every step) at batch 1 and 8; random heads accept
   nothing, so the figure is each step's cost: the speedup at a mean acceptance length
@@ -360,18 +361,30 @@ def attention_case(heads: int, kv_heads: int, dim: int, context: int, batch: int
 
 
 def part_attention(model, args) -> list[dict]:
+    """Every case once per ``--min-splits`` value: the shortest key split the kernel's plan
+    cuts (``triton_kernels._MIN_SPLIT``), the knob that sets how many programs a step of few
+    sequences gets."""
+    from specdec.kernels import triton_kernels
+
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     rows = []
-    for context in args.attention_contexts:
-        for batch in args.batches:
-            for tree in (False, True):
-                r = attention_case(heads, kv_heads, cfg.hidden_size // heads, context, batch, tree, args.bandwidth)
-                rows.append(r)
-                print(f"attention {r['kind']} ctx {context} batch {batch}: call triton {r['triton_ms'] * 1000:.1f} us, "
-                      f"torch {r['torch_ms'] * 1000:.1f} us; device triton {r['triton_graph_ms'] * 1000:.1f} us, "
-                      f"torch {r['torch_graph_ms'] * 1000:.1f} us; floor {r['floor_ms'] * 1000:.1f} us (triton at "
-                      f"{r['triton_of_floor']:.0%} of it), rel err {r['rel_err']:.1e}", flush=True)
+    shipped = triton_kernels._MIN_SPLIT
+    for min_split in args.min_splits or [shipped]:
+        triton_kernels._MIN_SPLIT = min_split
+        for context in args.attention_contexts:
+            for batch in args.batches:
+                for tree in (False, True):
+                    r = attention_case(heads, kv_heads, cfg.hidden_size // heads, context, batch, tree,
+                                       args.bandwidth)
+                    r["min_split"] = min_split
+                    rows.append(r)
+                    print(f"attention min split {min_split} {r['kind']} ctx {context} batch {batch}: call triton "
+                          f"{r['triton_ms'] * 1000:.1f} us, "
+                          f"torch {r['torch_ms'] * 1000:.1f} us; device triton {r['triton_graph_ms'] * 1000:.1f} us, "
+                          f"torch {r['torch_graph_ms'] * 1000:.1f} us; floor {r['floor_ms'] * 1000:.1f} us (triton at "
+                          f"{r['triton_of_floor']:.0%} of it), rel err {r['rel_err']:.1e}", flush=True)
+    triton_kernels._MIN_SPLIT = shipped
     return rows
 
 
@@ -432,6 +445,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--attention-contexts", default="1024,4096")
+    p.add_argument("--min-splits", help="attention: shortest key splits to compare (default: the kernel's)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--bandwidth", type=float, default=3000.0, help="GB/s for the floors (measured copy rate)")
     p.add_argument("--json", help="write every row here")
@@ -444,6 +458,7 @@ def main() -> None:
     KV_CACHE_MB = args.kv_cache_mb
     args.batches = [int(b) for b in args.batches.split(",")]
     args.attention_contexts = [int(c) for c in args.attention_contexts.split(",")]
+    args.min_splits = [int(c) for c in args.min_splits.split(",")] if args.min_splits else None
     parts = args.parts.split(",")
     name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
     print(f"# {name}, torch {torch.__version__}, shape {args.shape}, bfloat16", flush=True)
