@@ -37,7 +37,11 @@ _failed: set[str] = set()
 
 
 def use_triton(tensor: torch.Tensor, kernel: str = "") -> bool:
-    return (tensor.is_cuda and os.environ.get("SPECDEC_KERNELS", "auto") != "torch" and kernel not in _failed
+    return _triton_serves(tensor.device, kernel)
+
+
+def _triton_serves(device: torch.device, kernel: str) -> bool:
+    return (device.type == "cuda" and os.environ.get("SPECDEC_KERNELS", "auto") != "torch" and kernel not in _failed
             and _triton() is not None)
 
 
@@ -68,7 +72,7 @@ def _dispatch(name: str, tensor: torch.Tensor, reference, *args):
 def paged_attention_is_triton(device: torch.device | str) -> bool:
     """Whether :func:`paged_attention` runs the Triton kernel on ``device`` (else the torch
     reference, which pads sequences of similar width into groups)."""
-    return use_triton(torch.empty(0, device=device), "paged_attention_triton")
+    return _triton_serves(torch.device(device), "paged_attention_triton")
 
 
 def paged_attention(query, key_pool, value_pool, layout: AttentionLayout, scale, sliding_window=None, softcap=None):
@@ -86,7 +90,7 @@ def invariant_attention_is_kernel(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type == "cpu":
         return cpu_kernel_available()
-    return use_triton(torch.empty(0, device=device), "invariant_attention_triton")
+    return _triton_serves(device, "invariant_attention_triton")
 
 
 def invariant_attention(query, key_pool, value_pool, layout: AttentionLayout, scale, sliding_window=None,
