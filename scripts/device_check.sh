@@ -10,7 +10,7 @@
 # carried, its tests fail with ModelLoadError and are filtered out), its other failures
 # again eagerly (those passing there are the graphs' own); before the suite (unless
 # TIMINGS=0) the attention kernel for three split lengths and the GPU timings with graphs
-# beside eager and Hugging Face generate(): about 9 minutes in all.
+# beside eager and Hugging Face generate(): about 8 minutes in all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
