@@ -42,6 +42,15 @@ def smol_hf():
     return AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.float32).eval()
 
 
+def stock_model(directory):
+    """The stock transformers model of ``directory`` in float32, with eager attention: the
+    reference attention of every transformers version (5.17 gives Gemma-2 sdpa by default,
+    which drops its attention soft-capping; 5.24 refuses sdpa for it)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Greedy continuation by full forwards of the stock model, no KV cache involved."""
     seq = list(prompt)

@@ -3,6 +3,7 @@ drafted tree's K/V kept only along the accepted path, checked against no-cache f
 
 import pytest
 import torch
+from conftest import stock_model
 
 from specdec.draft_runner import DraftInput, DraftRunner, causal_lm_forward
 
@@ -11,9 +12,7 @@ def _models(directory):
     from transformers import AutoModelForCausalLM
 
     draft = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    # eager: the reference attention of every version (transformers 5.17 gives Gemma-2 sdpa by
-    # default, which drops its attention soft-capping; 5.24 refuses sdpa for it)
-    ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    ref = stock_model(directory)
     runner = DraftRunner.for_module(causal_lm_forward(draft), num_blocks=32, block_size=4, dtype=torch.float32,
                                     device=torch.device("cpu"))
     return runner, ref

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import reference_greedy
+from conftest import reference_greedy, stock_model
 
 from specdec import LLM, SamplingParams, testing
 
@@ -11,11 +11,7 @@ ARCHS = list(testing.TINY_ARCHITECTURES)
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_the_stock_model(tiny_models, arch):
-    from transformers import AutoModelForCausalLM
-
-    # eager: the reference attention of every transformers version (see test_draft_runner.py)
-    ref = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32,
-                                               attn_implementation="eager").eval()
+    ref = stock_model(tiny_models[arch])
     llm = LLM(model=str(tiny_models[arch]), dtype="float32")
     prompts = [list(range(3, 15)), [40, 41, 42, 43, 44] * 3, [7, 8, 9]]  # longer than the sliding windows
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
