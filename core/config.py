@@ -346,6 +346,9 @@ def _strict_bool(value, _type):
 
 
 def _strict_str(value, _type):
+    """A string; a path object (``pathlib.Path``) from the Python API becomes its string."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if not isinstance(value, str):
         raise TypeError(f"expected a string, got {value!r} ({type(value).__name__})")
     return value

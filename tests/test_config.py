@@ -157,3 +157,16 @@ def test_node_budget_must_hold_the_depth():
     with pytest.raises(ConfigError, match="speculative_config.max_total_draft_tokens: 3 nodes cannot hold"):
         config_from_dict({"speculative_config": {"decoding_type": "ngram", "max_draft_len": 4,
                                                  "max_total_draft_tokens": 3}})
+
+
+def test_paths_may_be_path_objects(tmp_path):
+    from pathlib import Path
+
+    from specdec import testing
+
+    cfg = config_from_dict({"model": Path("m"), "speculative_config": {"decoding_type": "draft_target",
+                                                                       "speculative_model": Path("d")}})
+    assert (cfg.model, cfg.speculative_config.speculative_model) == ("m", "d")
+    llm = LLM(model=testing.tiny_model_dir(tmp_path), device="cpu")
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids
+    assert error_of({"model": 3}) == "model: expected a string, got 3 (int)"

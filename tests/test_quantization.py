@@ -1,10 +1,12 @@
 """Weight-only int8 / int4 targets: the layers, the GGUF's own blocks, losslessness, errors."""
 
+import re
+
 import pytest
 import torch
 
 from specdec import LLM, SamplingParams, testing
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, ModelLoadError
 from specdec.quantization import (GROUP_SIZE, Int4Linear, Int8Embedding, Int8Linear, check_supported,
                                   quantize_groups_int4, quantize_rows_int8, quantize_target, rows_are_independent,
                                   weight_bytes)
@@ -132,6 +134,31 @@ def test_unsupported_quantization_is_a_clear_error():
         check_supported("int4", torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ConfigError, match="bfloat16 or float32, not float16"):
         LLM(device="cpu", dtype="float16", engine={"quantization": "int8"})
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_a_drafter_for_another_target_is_refused_as_for_the_unquantized_target(tiny_models, mode, tmp_path):
+    """Checkpoints are checked against the target's shape, which quantization leaves as it was."""
+    from specdec_draft_target import SHIPPED_DRAFT
+    from specdec_eagle import SHIPPED_HEADS
+    from specdec_mtp import SHIPPED_MODULE
+
+    def refusal(model, engine, options):
+        with pytest.raises(ModelLoadError) as info:
+            LLM(model=model, device="cpu", engine=engine, speculative_config=options)
+        return str(info.value)
+
+    narrow = testing.tiny_model_dir(tmp_path / "narrow", vocab_size=32)
+    wide = testing.tiny_model_dir(tmp_path / "wide", vocab_size=64)
+    cases = [(tiny_models["llama"], {"decoding_type": "eagle3", "speculative_model": SHIPPED_HEADS[3]},
+              "hidden_size 576, but the target .* has hidden_size 64"),
+             (tiny_models["llama"], {"decoding_type": "mtp", "speculative_model": SHIPPED_MODULE},
+              "module at model.layers.30, but the target has 2 layers"),
+             (narrow, {"decoding_type": "draft_target", "speculative_model": wide},
+              "64 output tokens, more than the target")]
+    for model, options, message in cases:
+        quantized = refusal(model, {"quantization": mode}, options)
+        assert re.search(message, quantized) and quantized == refusal(model, {}, options)
 
 
 def test_cli_quantization_flag_and_yaml(tmp_path):
