@@ -459,6 +459,55 @@ def test_the_probe_share_halves_while_probes_do_not_pay_and_comes_back_when_draf
     assert kept.depth == 4 and planner.probe_share_now == 0.4  # a draft kept on its merit: the whole share
 
 
+class DearDrafting(SyntheticCosts):
+    """Drafting a level costs half a step (a drafter that first feeds the rows it missed):
+    a draft pays before drafting only where it is nearly sure, after drafting (the time
+    spent) where it is as likely as not."""
+
+    def draft_seconds(self, depth, trees=False):
+        return 0.5 * depth
+
+
+def test_a_probe_that_looks_worth_verifying_once_drafted_is_still_a_probe():
+    """A probe's draft, its drafting time spent, may be worth verifying by the estimate
+    (trim); that says nothing of whether drafting pays (plan), so the probe share still
+    halves and the request's next probe still waits twice as long."""
+    from specdec.executor.draft_planner import StepShape
+
+    planner, req = planner_with(DearDrafting(), probe_share=0.4), request("a")
+    shape = StepShape([(10, 1)], padded=True)
+    for _ in range(20):
+        planner.observe(req, None, depth=1, accepted=1 if _ % 2 else 0)  # accepted half the time
+    probes = []
+    for _ in range(60):
+        planner.observe_step(1, 0.0, 1.0, 1)
+        ((depth, _),) = planner.plan([req], [(1, 1)], shape)
+        if depth:
+            (kept,) = planner.trim([req], [DraftProposal(token_ids=[5])], shape)
+            assert kept.depth == 1  # worth verifying once drafted
+            probes.append((planner.probe_share_now, req.probe_after))
+        req.steps_without_drafts = 0 if depth else req.steps_without_drafts + 1
+    assert probes[:3] == [(0.2, 8), (0.1, 16), (0.05, 32)]
+
+
+def test_each_probe_pays_for_its_drafting_and_an_untimed_drafter_is_probed_one_request_a_step():
+    from specdec.executor.draft_planner import StepShape
+
+    costs = DearDrafting()
+    planner, reqs = planner_with(costs, probe_share=0.4), [request(f"r{i}") for i in range(8)]
+    shape = StepShape([(10, 1)] * 8, padded=True)
+    for req in reqs:
+        for _ in range(20):
+            planner.observe(req, None, depth=1, accepted=0)
+        req.steps_without_drafts = 4  # every one due for a probe
+    planner.probe_credit = 2.0  # four probes' drafting, or two with their tokens
+    probing = sum(d for d, _ in planner.plan(reqs, [(1, 1)] * 8, shape))
+    assert probing == 2 and planner.probe_credit < 1.0
+    costs.draft_seconds = lambda depth, trees=False: 0.0  # no drafting timed yet
+    planner.probe_credit = 100.0
+    assert sum(d for d, _ in planner.plan(reqs, [(1, 1)] * 8, shape)) == 1
+
+
 class CheapTokens(SyntheticCosts):
     """Each verified token costs 1/500 of a step: asking for drafts looks worth it."""
 

@@ -36,8 +36,15 @@ probes without the budget, all eight requests probing in the same two steps; 45-
 it, in 3-6 steps). A proposal of aux tokens only (lookahead's window while its pool has
 no match) brings nothing this step and is paid from the same budget: running every such
 window made lookahead's first steps at batch 8 cost several plain steps each. Each probe
-or warm-up after which no request drafted on the estimate's own merit halves that share,
-down to an eighth; a draft the estimate keeps restores it. Without that, a method whose
+pays for its tokens and for one level of drafting, its own: a drafter that reads target
+features first feeds the rows it missed while off, request by request (EAGLE-3 at batch
+8, eight probes at once: 37 ms of drafting against a 48 ms step); until drafting has been
+timed, one request a step is probed. Each probe or warm-up after which no request drafted
+on the estimate's own merit halves that share, down to an eighth; a draft the estimate
+keeps restores it. A probe's own draft does not count, even where the estimate would keep
+it once drafted (its drafting time spent): that says nothing of whether drafting pays, and
+counted so, probes of the trained heads at batch 8 kept the whole share and the shortest
+wait (session 36). Without that, a method whose
 probes never pay kept losing the whole share: lookahead's windows, each about twice a
 decode step's time at batch 1, were 31 of 1,308 steps on the diverse set, 11 since
 (``scripts/step_shapes.py lookahead --batch-size 16 --one-at-a-time --batch-invariant``).
@@ -542,10 +549,12 @@ class DraftPlanner:
                              functools.partial(self._drafting_seconds, trees=trees, hit=mean_hit))
         load = _StepLoad(shape.tokens, options, depths)
         off = [i for i in range(len(reqs)) if depths[i] == 0 and caps[i][0] > 0]
+        untimed = not self.costs.draft_seconds(1)
         for i in self._overdue_first(reqs, off):
+            if untimed and self._probing:
+                break
             extra = (1 if self.chain_or_tree else min(self.nodes_for_depth(1), caps[i][1])) + round(self.aux_tokens)
-            drafting_cost = 0.0 if load.drafting else self.costs.draft_seconds(1)
-            if self._afford_probe(load.extra_seconds(step, extra) + drafting_cost):
+            if self._afford_probe(load.extra_seconds(step, extra) + self.costs.draft_seconds(1)):
                 load.add(extra)
                 depths[i] = 1
                 chains[i] = self.chain_or_tree
@@ -621,12 +630,13 @@ class DraftPlanner:
                     warm.add(i)
                 else:
                     warming.append(i)
+            elif id(req) in probing:  # a probe paid for in plan(), whatever its draft is worth now
+                if depths[i] == 0:
+                    depths[i] = 1
+                    load.add(options[i].nodes[1])
             elif depths[i] > 0:
                 req.probe_after = 0
                 self.unpaid_probes = 0
-            elif id(req) in probing:  # paid for in plan()
-                depths[i] = 1
-                load.add(options[i].nodes[1])
             else:
                 cut.append(i)
         for i in self._paid_from_budget(self._overdue_first(reqs, cut), lambda i: options[i].nodes[1], load, step):
