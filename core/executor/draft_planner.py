@@ -41,13 +41,14 @@ features first feeds the rows it missed while off, request by request (EAGLE-3 a
 8, eight probes at once: 37 ms of drafting against a 48 ms step); until drafting has been
 timed, one request a step is probed. Each probe or warm-up after which no request drafted
 on the estimate's own merit halves that share, down to an eighth; a draft the estimate
-keeps restores it. A probe's own draft does not count, even where the estimate would keep
-it once drafted (its drafting time spent): that says nothing of whether drafting pays, and
-counted so, probes of the trained heads at batch 8 kept the whole share and the shortest
-wait (session 36). Without that, a method whose
+keeps restores it. Without the halving, a method whose
 probes never pay kept losing the whole share: lookahead's windows, each about twice a
 decode step's time at batch 1, were 31 of 1,308 steps on the diverse set, 11 since
 (``scripts/step_shapes.py lookahead --batch-size 16 --one-at-a-time --batch-invariant``).
+A probe's own draft does not count as kept on its merit, even where the estimate would
+keep it once drafted (its drafting time spent): that says nothing of whether drafting
+pays, and counted so, probes of the trained heads at batch 8 kept the whole share and the
+shortest wait (session 36).
 """
 
 from __future__ import annotations
