@@ -550,12 +550,12 @@ class DraftPlanner:
                              functools.partial(self._drafting_seconds, trees=trees, hit=mean_hit))
         load = _StepLoad(shape.tokens, options, depths)
         off = [i for i in range(len(reqs)) if depths[i] == 0 and caps[i][0] > 0]
-        untimed = not self.costs.draft_seconds(1)
+        drafting_level = self.costs.draft_seconds(1)  # every probe pays its own
         for i in self._overdue_first(reqs, off):
-            if untimed and self._probing:
+            if not drafting_level and self._probing:  # drafting not timed yet: one probe
                 break
             extra = (1 if self.chain_or_tree else min(self.nodes_for_depth(1), caps[i][1])) + round(self.aux_tokens)
-            if self._afford_probe(load.extra_seconds(step, extra) + self.costs.draft_seconds(1)):
+            if self._afford_probe(load.extra_seconds(step, extra) + drafting_level):
                 load.add(extra)
                 depths[i] = 1
                 chains[i] = self.chain_or_tree
