@@ -35,13 +35,48 @@ from .tree_expansion import ChainExpansion, DynamicExpansion, Expansion, StaticE
 log = logging.getLogger(__name__)
 
 
+#: hidden-state chunks a request keeps unfused (see :class:`FeatureQueue`)
+UNFUSED_CHUNKS = 16
+
+
 @attrs.define
 class FeatureQueue:
-    """Target rows not yet in the draft cache: next tokens and fused features."""
+    """Target rows not yet in the draft cache: their next tokens, and their features:
+    ``fused`` blocks first, then ``chunks`` of the target's hidden states as they came
+    (each a ``[n, hidden]`` view per layer of the step's states), fused when the request
+    drafts, for all drafting requests at once, or by the request once it holds
+    :data:`UNFUSED_CHUNKS` of them: a request the adaptive planner keeps from drafting
+    costs a list append a step, not a fusion and a copy of all it missed, and keeps
+    neither its raw states (EAGLE-3: three times a feature) nor whole steps' states alive
+    for long."""
 
     tokens: list[int] = attrs.Factory(list)
-    features: torch.Tensor | None = None
+    fused: list[torch.Tensor] = attrs.Factory(list)
+    chunks: list[list[torch.Tensor]] = attrs.Factory(list)
     off: bool = False  # the draft cache was lost (pool full): no more drafts for this request
+
+    def keep(self, n: int) -> None:
+        """Keep the first ``n`` rows (a recompute from an earlier position)."""
+        self.tokens = self.tokens[:n]
+        self.fused, rows = _first_rows(self.fused, n, lambda block: block)
+        self.chunks, _ = _first_rows(self.chunks, n - rows, lambda chunk: chunk[0])
+
+    def unfused_rows(self, layer: int) -> list[torch.Tensor]:
+        return [chunk[layer] for chunk in self.chunks]
+
+
+def _first_rows(parts: list, n: int, rows_of) -> tuple[list, int]:
+    """The first ``n`` rows of ``parts`` (``rows_of(part)``: a tensor whose first dimension
+    counts the part's rows), and how many rows that is."""
+    kept, rows = [], 0
+    for part in parts:
+        if rows >= n:
+            break
+        take = min(rows_of(part).shape[0], n - rows)
+        kept.append(part if take == rows_of(part).shape[0] else
+                    part[:take] if isinstance(part, torch.Tensor) else [layer[:take] for layer in part])
+        rows += take
+    return kept, rows
 
 
 class FeatureDrafter(Drafter):
@@ -108,50 +143,61 @@ class FeatureDrafter(Drafter):
 
     @hookimpl
     def on_draft_verified(self, results):
-        results = [r for r in results if r.hidden_states]
-        if not results:
-            return
-        fused = self.fuse([torch.cat([r.hidden_states[layer] for r in results]) for layer in self.layers])
-        first = 0
         for r in results:
-            n = next(iter(r.hidden_states.values())).shape[0]
-            features, first = fused[first:first + n], first + n
+            if not r.hidden_states:
+                continue
             queue: FeatureQueue = r.request.drafter_state.setdefault(self.state_key, FeatureQueue())
             if queue.off:
                 continue
+            n = next(iter(r.hidden_states.values())).shape[0]
             seq = self.runner.sequence(r.request.request_id)
             have = seq.num_computed + len(queue.tokens)
             if r.start < have:  # recomputed from an earlier position (preemption): roll back
                 if r.start <= seq.num_computed:
                     self.runner.truncate(seq, r.start)
-                    queue.tokens, queue.features = [], None
+                    queue.keep(0)
                 else:
-                    keep = r.start - seq.num_computed
-                    queue.tokens, queue.features = queue.tokens[:keep], queue.features[:keep]
+                    queue.keep(r.start - seq.num_computed)
             elif r.start > have:
                 raise RuntimeError(f"{type(self).__name__}: the draft cache of {r.request.request_id} is missing "
                                    f"positions {have}..{r.start - 1}")
             queue.tokens += r.request.token_ids[r.start + 1:r.start + 1 + n]
-            queue.features = features if queue.features is None else torch.cat([queue.features, features])
+            queue.chunks.append([r.hidden_states[layer] for layer in self.layers])
+            if len(queue.chunks) >= UNFUSED_CHUNKS:
+                queue.fused.append(self._fuse_chunks([queue])[0])
+                queue.chunks = []
+
+    def _fuse_chunks(self, queues: list[FeatureQueue]) -> list[torch.Tensor]:
+        """The features of the unfused rows of each of ``queues``, one fusion for them all."""
+        fused = self.fuse([torch.cat([rows for q in queues for rows in q.unfused_rows(k)])
+                           for k in range(len(self.layers))])
+        return list(fused.split([sum(chunk[0].shape[0] for chunk in q.chunks) for q in queues]))
+
+    def _features(self, queues: list[FeatureQueue]) -> list[torch.Tensor]:
+        """The features of every row the ``queues`` hold."""
+        late = iter(self._fuse_chunks([q for q in queues if q.chunks]))
+        return [torch.cat(q.fused + ([next(late)] if q.chunks else [])) for q in queues]
 
     @hookimpl
     def prepare_draft_tokens(self, requests, draft_lens, max_nodes):
         proposals: list[DraftProposal | None] = [None] * len(requests)
-        active, inputs = [], []
+        active, queues = [], []
         for i, req in enumerate(requests):
             queue: FeatureQueue | None = req.drafter_state.get(self.state_key)
             if queue is None or queue.off or not queue.tokens:
                 continue
-            seq = self.runner.sequence(req.request_id)
-            self.runner.drop_pending(seq)
             active.append(i)
-            inputs.append(DraftInput(seq, queue.tokens, features={"feature": queue.features}))
-        if not inputs:
+            queues.append(queue)
+        if not active:
             return proposals
+        inputs = []
+        for i, queue, features in zip(active, queues, self._features(queues)):
+            seq = self.runner.sequence(requests[i].request_id)
+            self.runner.drop_pending(seq)
+            inputs.append(DraftInput(seq, queue.tokens, features={"feature": features}))
         outs = self.runner.forward(inputs)
-        for i in active:
-            queue = requests[i].drafter_state[self.state_key]
-            queue.tokens, queue.features = [], None
+        for queue in queues:
+            queue.keep(0)
             if outs is None:
                 queue.off = True
         if outs is None:

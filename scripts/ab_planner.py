@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                    help="planner attributes of one engine of the method (repeatable; none: the defaults)")
     p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--per-batch", action="store_true",
+                   help="also each batch's speed-up (a built-in category is one batch at batch size 8)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     conversations = conversations_of(args)
@@ -74,6 +76,7 @@ def main() -> None:
                           for i, v in enumerate(variants, start=1)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=0)
     tokens, seconds = dict.fromkeys(labels, 0), dict.fromkeys(labels, 0.0)
+    batch_seconds: dict[tuple[str, int], float] = {}
     texts: dict[str, list[str]] = {}
     for rep in range(args.repetitions):
         llms = {"plain": LLM(dtype="bfloat16")}
@@ -87,7 +90,9 @@ def main() -> None:
             for label in labels[shift:] + labels[:shift]:
                 started = time.perf_counter()
                 outs = llms[label].chat(conversations[start:start + args.batch_size], params)
-                seconds[label] += time.perf_counter() - started
+                took = time.perf_counter() - started
+                seconds[label] += took
+                batch_seconds[label, turn] = batch_seconds.get((label, turn), 0.0) + took
                 tokens[label] += sum(len(o.token_ids) for o in outs)
                 if rep == 0:
                     texts.setdefault(label, []).extend(o.text for o in outs)
@@ -100,6 +105,12 @@ def main() -> None:
         rate = tokens[label] / seconds[label]
         same = sum(a == b for a, b in zip(texts[label], texts["plain"]))
         print(f"{label:40s} {rate:7.1f} tok/s  {rate / plain:.3f}x  same {same}/{len(texts['plain'])}")
+    if args.per_batch:
+        turns = range(0, -(-len(conversations) // args.batch_size))
+        print("per batch, plain's time over each system's: " + " ".join(f"b{t}" for t in turns))
+        for label in labels[1:]:
+            print(f"{label:40s} " + " ".join(f"{batch_seconds['plain', t] / batch_seconds[label, t]:.2f}"
+                                            for t in turns))
 
 
 if __name__ == "__main__":

@@ -102,3 +102,23 @@ def test_runner_works_for_a_module_with_features(tiny_models):
         outs = runner.forward([DraftInput(s1, [1, 2], features={"feature": torch.ones(2, 64)}),
                                DraftInput(s2, [3], features={"feature": torch.zeros(1, 64)})])
     assert seen[-1] == (3, 64) and outs[0].shape == (1, 64)
+
+
+def test_a_feature_queue_rolls_back_to_a_row_inside_a_block_or_chunk():
+    """A recompute from a position the queue holds (a preempted request computed again)
+    keeps the rows before it, fused blocks and unfused chunks cut where the position
+    falls, tokens alike."""
+    from specdec.feature_drafter import FeatureQueue
+
+    rows = torch.arange(16.0).reshape(8, 2)
+    queue = FeatureQueue(tokens=list(range(10, 18)), fused=[rows[:2], rows[2:3]],
+                         chunks=[[rows[3:5], -rows[3:5]], [rows[5:8], -rows[5:8]]])
+    queue.keep(6)
+    assert queue.tokens == list(range(10, 16))
+    assert [len(b) for b in queue.fused] == [2, 1] and [len(c[0]) for c in queue.chunks] == [2, 1]
+    assert torch.equal(torch.cat(queue.fused + queue.unfused_rows(0)), rows[:6])
+    assert torch.equal(torch.cat(queue.unfused_rows(1)), -rows[3:6])
+    queue.keep(1)
+    assert queue.tokens == [10] and torch.equal(torch.cat(queue.fused), rows[:1]) and queue.chunks == []
+    queue.keep(0)
+    assert queue.tokens == [] and queue.fused == [] and queue.chunks == []

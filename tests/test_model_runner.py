@@ -33,6 +33,54 @@ def test_tree_drafts_are_lossless_on_each_architecture(tiny_models, arch):
     assert all(o.metrics.acceptance_length > 1.3 for o in outs)
 
 
+def test_each_request_of_a_batch_gets_the_hidden_states_of_its_own_committed_tokens(tiny_models):
+    """Trees verified for several requests in one forward, paths of different lengths
+    accepted: the states each result carries are the stock model's at exactly the
+    positions it committed, every position once (the engine gathers them for the whole
+    step at once and hands each request its slice)."""
+    from helpers import OracleDrafter
+
+    from specdec import hookimpl
+
+    seen = []
+
+    class WatchingOracle(OracleDrafter):
+        @hookimpl
+        def target_hidden_layers(self, target):
+            return [0, -1]
+
+        @hookimpl
+        def on_draft_verified(self, results):
+            seen.extend((r.request.request_id, r.start, {k: v.clone() for k, v in r.hidden_states.items()})
+                        for r in results)
+
+    model = tiny_models["llama"]
+    prompts = [list(range(3, 15)), [40, 41, 42, 43, 44] * 3, [7, 8, 9]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=str(model), dtype="float32").generate(prompts, params)
+    oracle = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    spec = {"decoding_type": "user", "drafter": WatchingOracle, "max_draft_len": 3, "adaptive": False,
+            "options": {"tree": True, "seed": 3, "oracle": oracle}}
+    outs = LLM(model=str(model), dtype="float32", speculative_config=spec).generate(prompts, params)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) >= 10
+    ref = stock_model(model)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == oracle[tuple(prompt)]
+        covered = {}
+        for request_id, start, states in seen:
+            if request_id == out.request_id:
+                for k in range(states[-1].shape[0]):
+                    assert start + k not in covered, f"position {start + k} handed over twice"
+                    covered[start + k] = (states[0][k], states[-1][k])
+        sequence = prompt + out.token_ids
+        assert sorted(covered) == list(range(len(sequence) - 1))  # the last token is never run
+        with torch.no_grad():
+            want = ref.model(torch.tensor([sequence]), output_hidden_states=True)
+        for position, (first_layer, final) in covered.items():
+            torch.testing.assert_close(first_layer, want.hidden_states[1][0, position], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(final, want.last_hidden_state[0, position], atol=1e-4, rtol=1e-4)
+
+
 def test_hidden_states_reach_the_drafter_without_recomputation(tiny_models):
     from specdec import Drafter, hookimpl
 

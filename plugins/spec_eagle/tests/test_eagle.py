@@ -50,3 +50,31 @@ def test_a_prompt_found_in_the_prefix_cache_drafts_as_when_computed(name):
     """The draft layer reads every prompt token's features: the engine hands it those of
     the cached prefix, so a repeated prompt drafts and accepts exactly as the first time."""
     testing.check_shipped_prefix_cache({"decoding_type": name})
+
+
+def test_rows_kept_while_off_are_fused_as_if_all_at_once(monkeypatch):
+    """A request kept from drafting fuses the states of the rows it missed every
+    ``UNFUSED_CHUNKS`` steps; what it would feed the draft layer on drafting again equals
+    fusing every row in one go."""
+    import torch
+
+    import specdec.feature_drafter as feature_drafter
+    from specdec import SamplingParams
+
+    features = {}
+    for every in (feature_drafter.UNFUSED_CHUNKS, 10**6):
+        monkeypatch.setattr(feature_drafter, "UNFUSED_CHUNKS", every)
+        llm = LLM(dtype="float32", speculative_config={"decoding_type": "eagle3", "draft_len_schedule": {1: 0}})
+        req = llm.engine.add_request(llm.apply_chat_template(PROMPTS[0]),
+                                     SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+        while req.num_output_tokens < 40:
+            llm.engine.step()
+        queue = req.drafter_state[llm.drafter.state_key]
+        assert len(queue.tokens) == len(req.token_ids) - 1  # every row since the prompt's first, none drafted
+        features[every] = (len(queue.fused), llm.drafter._features([queue])[0])
+    (blocks, early), (none, at_once) = features.values()
+    assert blocks >= 2 and none == 0
+    assert early.shape == at_once.shape == (len(queue.tokens), llm.drafter.head.fc.out_features)
+    # float32 products over 16 rows or 100 sum in other orders: 1.5e-4 apart here; a row out
+    # of place or fused twice is off by the features' own size (about 1)
+    torch.testing.assert_close(early, at_once, atol=1e-3, rtol=1e-3)
