@@ -191,7 +191,10 @@ class StepResult:
             Only the layers drafters asked for through ``target_hidden_layers``. The first
             chunk of a prompt whose prefix came from the prefix cache also carries the
             prefix's stored states (from position 0) when a drafter reads every prompt
-            token (``reads_prompt_hidden_states``).
+            token (``reads_prompt_hidden_states``). The tensors are slices of one gather
+            for all of the step's results: a drafter keeping states for many steps keeps
+            those gathers alive unless it copies or combines what it keeps (as
+            :class:`~specdec.feature_drafter.FeatureQueue` does).
         aux_logits: target logits ``[len(aux_token_ids), vocab]`` of the aux tokens.
         is_prefill: the step computed (part of) the prompt.
         start: the position of the first token ``hidden_states`` covers (a prompt chunk's
