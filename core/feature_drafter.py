@@ -175,7 +175,8 @@ class FeatureDrafter(Drafter):
 
     def _features(self, queues: list[FeatureQueue]) -> list[torch.Tensor]:
         """The features of every row the ``queues`` hold."""
-        late = iter(self._fuse_chunks([q for q in queues if q.chunks]))
+        unfused = [q for q in queues if q.chunks]  # none where every row was fused while off
+        late = iter(self._fuse_chunks(unfused) if unfused else [])
         return [torch.cat(q.fused + ([next(late)] if q.chunks else [])) for q in queues]
 
     @hookimpl

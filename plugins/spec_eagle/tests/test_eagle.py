@@ -78,3 +78,7 @@ def test_rows_kept_while_off_are_fused_as_if_all_at_once(monkeypatch):
     # float32 products over 16 rows or 100 sum in other orders: 1.5e-4 apart here; a row out
     # of place or fused twice is off by the features' own size (about 1)
     torch.testing.assert_close(early, at_once, atol=1e-3, rtol=1e-3)
+    # a request whose rows were all fused while off (it drafts right after a block)
+    blocks_only = feature_drafter.FeatureQueue(tokens=list(range(len(queue.tokens))),
+                                               fused=[at_once[:20], at_once[20:]])
+    assert torch.equal(llm.drafter._features([blocks_only])[0], at_once)
