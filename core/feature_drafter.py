@@ -58,25 +58,21 @@ class FeatureQueue:
     def keep(self, n: int) -> None:
         """Keep the first ``n`` rows (a recompute from an earlier position)."""
         self.tokens = self.tokens[:n]
-        self.fused, rows = _first_rows(self.fused, n, lambda block: block)
-        self.chunks, _ = _first_rows(self.chunks, n - rows, lambda chunk: chunk[0])
+        fused, chunks, rows = [], [], 0
+        for block in self.fused:
+            if rows >= n:
+                break
+            fused.append(block[:n - rows])
+            rows += fused[-1].shape[0]
+        for chunk in self.chunks:
+            if rows >= n:
+                break
+            chunks.append([layer[:n - rows] for layer in chunk])
+            rows += chunks[-1][0].shape[0]
+        self.fused, self.chunks = fused, chunks
 
     def unfused_rows(self, layer: int) -> list[torch.Tensor]:
         return [chunk[layer] for chunk in self.chunks]
-
-
-def _first_rows(parts: list, n: int, rows_of) -> tuple[list, int]:
-    """The first ``n`` rows of ``parts`` (``rows_of(part)``: a tensor whose first dimension
-    counts the part's rows), and how many rows that is."""
-    kept, rows = [], 0
-    for part in parts:
-        if rows >= n:
-            break
-        take = min(rows_of(part).shape[0], n - rows)
-        kept.append(part if take == rows_of(part).shape[0] else
-                    part[:take] if isinstance(part, torch.Tensor) else [layer[:take] for layer in part])
-        rows += take
-    return kept, rows
 
 
 class FeatureDrafter(Drafter):

@@ -414,20 +414,18 @@ class Engine:
         greedy = self._greedy_verdicts(items, logits)
         results: list[StepResult] = []
         moves_src, moves_dst = [], []
-        kept_rows, counts = [], []  # the forward's rows whose KV is committed, how many of them each result's
+        kept_rows = []  # per result, the forward's rows whose KV it commits
         kept_slots = []  # their KV slots, where the hidden cache keeps their states
         prefixes = {}  # result index -> the prefix cache's stored states, put before its chunk's
         keep_states = self.hidden_cache is not None
         for it in items:
             req = it.request
-            first_row = len(kept_rows)
             if it.is_prefill:
                 self.kv.commit(req, it.start + len(it.tokens))
                 new = [] if not it.num_logits else (
                     greedy[id(it)].tokens if id(it) in greedy else self._sample_first(req, it, logits))
                 start = it.start
-                kept_rows += range(it.row_offset, it.row_offset + len(it.tokens))
-                counts.append(len(it.tokens))
+                kept_rows.append(range(it.row_offset, it.row_offset + len(it.tokens)))
                 if keep_states:
                     kept_slots += self.kv.slots(req, it.start, len(it.tokens))
                     if start and start == req.num_from_prefix_cache:
@@ -441,10 +439,9 @@ class Engine:
             for k, node in enumerate(verdict.accepted_nodes, start=1):
                 moves_src.extend(self.kv.slots(req, root + 1 + node, 1))
                 moves_dst.extend(self.kv.slots(req, root + k, 1))
-            kept_rows += (it.row_offset + r for r in [0, *(1 + n for n in verdict.accepted_nodes)])
-            counts.append(len(kept_rows) - first_row)
+            kept_rows.append([it.row_offset, *(it.row_offset + 1 + n for n in verdict.accepted_nodes)])
             if keep_states:
-                kept_slots += self.kv.slots(req, root, counts[-1])
+                kept_slots += self.kv.slots(req, root, len(kept_rows[-1]))
             aux = None
             if it.proposal is not None and it.proposal.aux_token_ids:
                 first_aux = it.logits_from + 1 + len(it.proposal.token_ids)
@@ -454,7 +451,7 @@ class Engine:
         if moves_src:
             self.kv.move(moves_src, moves_dst, self.target.device)
         if hidden:
-            self._hand_over_hidden(results, hidden, kept_rows, counts, kept_slots, prefixes)
+            self._hand_over_hidden(results, hidden, kept_rows, kept_slots, prefixes)
         outputs = []
         for res in results:
             req = res.request
@@ -476,19 +473,21 @@ class Engine:
                 self._finish(out.request, out.request.finish_reason)
         return outputs
 
-    def _hand_over_hidden(self, results: list[StepResult], hidden: dict[int, torch.Tensor], rows: list[int],
-                          counts: list[int], slots: list[int], prefixes: dict[int, dict[int, torch.Tensor]]) -> None:
-        """Give each result the hidden states of its ``counts`` committed ``rows`` of the
-        forward, after the stored states of its cached prefix where ``prefixes`` has them,
-        and keep them in the hidden cache at their KV ``slots``: one gather per layer for
-        the whole step (gathered request by request, EAGLE-3's three layers were 24 small
-        copies a step at batch 8, twice over with the hidden cache's own)."""
+    def _hand_over_hidden(self, results: list[StepResult], hidden: dict[int, torch.Tensor], rows: list,
+                          slots: list[int], prefixes: dict[int, dict[int, torch.Tensor]]) -> None:
+        """Give each result the hidden states of its committed ``rows`` of the forward (one
+        row list per result), after the stored states of its cached prefix where
+        ``prefixes`` has them, and keep them in the hidden cache at their KV ``slots``: one
+        gather per layer for the whole step (gathered request by request, EAGLE-3's three
+        layers were 24 small copies a step at batch 8, twice over with the hidden cache's own)."""
         device = next(iter(hidden.values())).device
-        kept = {layer: h.index_select(0, torch.tensor(rows, device=device)) for layer, h in hidden.items()}
+        flat = torch.tensor([r for result_rows in rows for r in result_rows], device=device)
+        kept = {layer: h.index_select(0, flat) for layer, h in hidden.items()}
         if self.hidden_cache is not None and slots:
             self.hidden_cache.write(torch.tensor(slots, device=device), kept)
         first = 0
-        for i, (res, n) in enumerate(zip(results, counts)):
+        for i, (res, result_rows) in enumerate(zip(results, rows)):
+            n = len(result_rows)
             states = {layer: h[first:first + n] for layer, h in kept.items()}
             if i in prefixes:
                 states = {layer: torch.cat([prefixes[i][layer], h]) for layer, h in states.items()}
