@@ -132,20 +132,36 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------
 
-    def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or many (strings or token-id lists), batched continuously."""
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for one prompt or many (strings or token-id lists), batched continuously;
+        ``sampling_params`` is one for all prompts or, as in vLLM, a sequence of one per prompt."""
         prompts = self._as_list(prompts)
-        params = sampling_params or self.config.sampling
+        params = self._params_per_prompt(sampling_params, len(prompts))
         encoded = [self.encode(p) for p in prompts]
-        for ids in encoded:  # all first: a bad prompt must not leave the good ones queued
-            self.engine.check_request(ids, params)
-        reqs = [(p, self.engine.add_request(ids, params)) for p, ids in zip(prompts, encoded)]
+        for ids, sp in zip(encoded, params):  # all first: a bad prompt must not leave the good ones queued
+            self.engine.check_request(ids, sp)
+        reqs = [(p, self.engine.add_request(ids, sp)) for p, ids, sp in zip(prompts, encoded, params)]
         while self.engine.has_unfinished():
             self.engine.step()
         return [self._output(p, r) for p, r in reqs]
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Reply to one conversation (a list of {role, content}) or to several."""
+    def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or self.config.sampling] * num_prompts
+        if not isinstance(sampling_params, Sequence) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise RequestError(f"sampling_params: expected a SamplingParams, or a list of them (one per prompt); "
+                               f"got a {type(sampling_params).__name__}"
+                               + (" of other things" if isinstance(sampling_params, Sequence) else ""))
+        if len(sampling_params) != num_prompts:
+            raise RequestError(f"sampling_params: {len(sampling_params)} given for {num_prompts} prompts; give one "
+                               "per prompt, or a single SamplingParams for all of them")
+        return list(sampling_params)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {role, content}) or to several (``sampling_params``
+        as in :meth:`generate`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params)
 

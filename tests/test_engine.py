@@ -350,6 +350,26 @@ def test_a_bad_prompt_among_good_ones_queues_none_of_them(smol):
     assert len(outs) == 1 and len(outs[0].token_ids) == 4
 
 
+def test_each_prompt_may_have_its_own_sampling_params(smol, smol_hf):
+    """vLLM's form: ``generate(prompts, [params, ...])``, one per prompt, each request served
+    as it would be alone; a list of the wrong length or of other things is a clear error."""
+    params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.0, stop=["\n"])]
+    together = smol.generate(PROMPTS[:3], params)
+    alone = [smol.generate(p, sp)[0] for p, sp in zip(PROMPTS[:3], params)]
+    assert [len(o.token_ids) for o in together][:2] == [5, 12]
+    for i in (0, 2):
+        assert_greedy_equal(smol_hf, smol, PROMPTS[i], together[i].token_ids, alone[i].token_ids)
+    assert together[1].token_ids == alone[1].token_ids  # its own seed, whatever shares the batch
+    assert together[2].finish_reason == alone[2].finish_reason
+    with pytest.raises(RequestError, match="2 given for 3 prompts"):
+        smol.generate(PROMPTS[:3], params[:2])
+    with pytest.raises(RequestError, match="a list of other things"):
+        smol.generate(PROMPTS[:2], [params[0], {"max_tokens": 3}])
+    assert not smol.engine.has_unfinished() and not smol.engine.requests
+
+
 class _FaultyOracle:
     """Drafts each prompt's true greedy continuation, except where ``fault`` breaks it."""
 
