@@ -16,8 +16,9 @@ from typing import Literal
 
 import attrs
 from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .api import LLM
 from .async_engine import AsyncEngine
@@ -26,7 +27,15 @@ from .executor.metrics import RequestMetrics
 from .sampling_params import SamplingParams
 
 
+#: OpenAI request fields specdec does not implement, each with the values that leave it off.
+#: Other values are refused (422), not ignored: the answer would not be what was asked for.
+UNSUPPORTED_FIELDS = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
+                      "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "tools": ([],)}
+
+
 class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other fields (user, stream_options...) change no output
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0)
@@ -38,6 +47,14 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     n: Literal[1] = 1
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and value is not None and value not in UNSUPPORTED_FIELDS[name]:
+                hint = " (repetition_penalty is the penalty specdec applies)" if name.endswith("_penalty") else ""
+                raise ValueError(f"{name}={value!r} is not supported by specdec{hint}; leave it out")
+        return self
 
 
 class CompletionRequest(_SamplingFields):
@@ -51,6 +68,16 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+
+    @model_validator(mode="after")
+    def _one_length_limit(self):
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens="
+                                 f"{self.max_completion_tokens} disagree; give one of them")
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 class _EngineCollector:
@@ -177,6 +204,19 @@ def create_app(llm: LLM) -> FastAPI:
     async def specdec_error(_request, exc: SpecdecError):
         stats.requests.labels("error").inc()
         return JSONResponse(status_code=400, content={"error": {"message": str(exc), "type": "invalid_request_error"}})
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_request, exc: RequestValidationError):
+        """422 in OpenAI's error shape, which the ``openai`` client shows (FastAPI's own
+        ``detail`` list reached its users as a bare "Error code: 422")."""
+        stats.requests.labels("error").inc()
+        problems = []
+        for e in exc.errors():
+            field = ".".join(str(part) for part in e["loc"] if part != "body")
+            message = e["msg"].removeprefix("Value error, ")  # a validator's own message says what is wrong
+            problems.append(f"{field}: {message}" if field else message)
+        return JSONResponse(status_code=422, content={"error": {"message": "; ".join(problems),
+                                                                "type": "invalid_request_error"}})
 
     @app.get("/health")
     async def health():

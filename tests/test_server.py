@@ -147,6 +147,30 @@ def test_the_official_openai_client_gets_the_same_answers(server, smol):
     assert [m.id for m in client.models.list().data] == [smol.target.name]
 
 
+def test_openai_fields_specdec_lacks_are_refused_not_ignored(server, smol):
+    """The OpenAI client's ``max_completion_tokens`` (its newer name for chat's
+    ``max_tokens``) limits the answer; sampling fields specdec does not implement are a 422
+    naming the field where they would change the answer, and accepted where they are off."""
+    from openai import BadRequestError, OpenAI, UnprocessableEntityError
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Name two colors."}]
+    chat = client.chat.completions.create(model="any", messages=messages, max_completion_tokens=5, temperature=0)
+    assert chat.usage.completion_tokens == 5
+    assert chat.choices[0].message.content == smol.chat(messages, SamplingParams(max_tokens=5, temperature=0.0))[0].text
+    for field, value in (("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("logit_bias", {"42": 5}),
+                         ("logprobs", True)):
+        with pytest.raises((UnprocessableEntityError, BadRequestError), match=field):
+            client.chat.completions.create(model="any", messages=messages, max_tokens=4, **{field: value})
+    with pytest.raises(UnprocessableEntityError, match="disagree"):
+        client.chat.completions.create(model="any", messages=messages, max_tokens=4, max_completion_tokens=6)
+    off = client.chat.completions.create(model="any", messages=messages, max_tokens=4, temperature=0,
+                                         frequency_penalty=0, presence_penalty=0.0, logprobs=False, user="u1")
+    assert off.choices[0].message.content == smol.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))[0].text
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "best_of": 3})
+    assert r.status_code == 422 and "best_of" in r.text
+
+
 def test_metrics_are_prometheus_exposition_with_histograms(server):
     from prometheus_client.parser import text_string_to_metric_families
 
