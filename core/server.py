@@ -30,7 +30,8 @@ from .sampling_params import SamplingParams
 #: OpenAI request fields specdec does not implement, each with the values that leave it off.
 #: Other values are refused (422), not ignored: the answer would not be what was asked for.
 UNSUPPORTED_FIELDS = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
-                      "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "tools": ([],)}
+                      "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "tools": ([],),
+                      "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",)}
 
 
 class _SamplingFields(BaseModel):
