@@ -203,21 +203,24 @@ def create_app(llm: LLM) -> FastAPI:
 
     @app.exception_handler(SpecdecError)
     async def specdec_error(_request, exc: SpecdecError):
-        stats.requests.labels("error").inc()
-        return JSONResponse(status_code=400, content={"error": {"message": str(exc), "type": "invalid_request_error"}})
+        return _error_response(400, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request, exc: RequestValidationError):
         """422 in OpenAI's error shape, which the ``openai`` client shows (FastAPI's own
         ``detail`` list reached its users as a bare "Error code: 422")."""
-        stats.requests.labels("error").inc()
         problems = []
         for e in exc.errors():
             field = ".".join(str(part) for part in e["loc"] if part != "body")
             message = e["msg"].removeprefix("Value error, ")  # a validator's own message says what is wrong
             problems.append(f"{field}: {message}" if field else message)
-        return JSONResponse(status_code=422, content={"error": {"message": "; ".join(problems),
-                                                                "type": "invalid_request_error"}})
+        return _error_response(422, "; ".join(problems))
+
+    def _error_response(status: int, message: str) -> JSONResponse:
+        """A refused request in OpenAI's error shape, counted in /metrics."""
+        stats.requests.labels("error").inc()
+        return JSONResponse(status_code=status, content={"error": {"message": message,
+                                                                   "type": "invalid_request_error"}})
 
     @app.get("/health")
     async def health():
