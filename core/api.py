@@ -119,8 +119,12 @@ class LLM:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation with the assistant's turn opened. A message's content may
+        be a string or OpenAI's list of content parts (its text parts joined by newlines, as
+        vLLM does); OpenAI's ``developer`` role is the template's ``system``."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use generate() with a plain prompt")
+        messages = [_text_message(i, m) for i, m in enumerate(messages)]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
@@ -192,3 +196,25 @@ class LLM:
                              prompt_token_ids=req.token_ids[:req.prompt_len], text=text,
                              token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
                              metrics=req.metrics)
+
+
+def _text_message(index: int, message) -> dict:
+    """One chat message as the templates expect it: {role, content} with string content."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+        raise RequestError(f"message {index}: expected {{'role': ..., 'content': ...}}, got {message!r}")
+    content = message["content"]
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"message {index}: content part {part!r} is not supported; specdec serves "
+                                   "text models: send {'type': 'text', 'text': ...} parts or a string")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise RequestError(f"message {index}: content must be a string or a list of text parts, "
+                           f"got {type(content).__name__}")
+    role = "system" if message["role"] == "developer" else message["role"]
+    return {**message, "role": role, "content": content}
+

@@ -63,8 +63,8 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict]  # a string or OpenAI's content parts; `LLM.apply_chat_template` reads both
 
 
 class ChatRequest(_SamplingFields):

@@ -172,6 +172,25 @@ def test_openai_fields_specdec_lacks_are_refused_not_ignored(server, smol):
         assert r.status_code == 422 and field in r.json()["error"]["message"]
 
 
+def test_chat_content_parts_and_the_developer_role(server, smol):
+    """OpenAI's list-of-parts content and ``developer`` role (what newer clients and agent
+    frameworks send) read as the string content and ``system`` role they stand for; a part
+    specdec cannot read (an image) is refused by name, not rendered into the prompt."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Answer briefly."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Name two"}, {"type": "text", "text": "colors."}]}]
+    plain = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name two\ncolors."}]
+    assert smol.apply_chat_template(parts) == smol.apply_chat_template(plain)
+    chat = client.chat.completions.create(model="any", messages=parts, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == smol.chat(plain, SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    with pytest.raises(BadRequestError, match="image_url"):
+        client.chat.completions.create(model="any", messages=image, max_tokens=4)
+
+
 def test_metrics_are_prometheus_exposition_with_histograms(server):
     from prometheus_client.parser import text_string_to_metric_families
 
