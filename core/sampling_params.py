@@ -27,6 +27,12 @@ def _tuple_of_str(value) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _check_stop(inst, attribute, value):
+    for stop in value:
+        if not isinstance(stop, str) or not stop:
+            raise FieldError(attribute.name, f"each stop string must be a non-empty string, got {stop!r}")
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to pick tokens for one request.
@@ -51,7 +57,7 @@ class SamplingParams:
     min_p: float = attrs.field(default=0.0, validator=_check_range(0.0, 1.0))
     repetition_penalty: float = attrs.field(default=1.0, validator=_check_range(0.0, None, lo_open=True))
     seed: int | None = None
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str, validator=_check_stop)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     ignore_eos: bool = False
 

@@ -125,6 +125,9 @@ def test_sampling_params_validate_directly():
     with pytest.raises(ConfigError, match="temperature: must be in"):
         SamplingParams(temperature=-1.0)
     assert SamplingParams(stop="x").stop == ("x",)
+    for stop in ("", ["x", ""], [7]):  # an empty stop string would end every request at once
+        with pytest.raises(ConfigError, match="stop: each stop string must be a non-empty string"):
+            SamplingParams(stop=stop)
 
 
 def test_llm_checks_config_before_loading_weights(tmp_path):
