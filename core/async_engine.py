@@ -62,16 +62,23 @@ class AsyncEngine:
         updates: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
         self._commands.put(("add", token_ids, params, loop, updates, added))
-        req: Request = await asyncio.wrap_future(added)  # raises RequestError for a bad request
+        req: Request | None = None
         try:
+            req = await asyncio.wrap_future(added)  # raises RequestError for a bad request
             while True:
                 update = await updates.get()
                 yield req, update
                 if update.finished:
                     return
         finally:
-            if not req.finished:
+            if req is None:  # cancelled while the engine thread was adding it (or refused)
+                added.add_done_callback(self._abort_added)
+            elif not req.finished:
                 self.abort(req.request_id)
+
+    def _abort_added(self, added: Future) -> None:
+        if not added.cancelled() and added.exception() is None:
+            self.abort(added.result().request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -102,6 +109,8 @@ class AsyncEngine:
         kind = command[0]
         if kind == "add":
             _, token_ids, params, loop, updates, added = command
+            if not added.set_running_or_notify_cancel():
+                return  # the caller went away before its request was added: add nothing
             try:
                 req = self.engine.add_request(token_ids, params)
             except Exception as exc:  # reported to that caller only

@@ -8,6 +8,7 @@ disconnects cancels its request, which frees its KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -29,6 +30,7 @@ from .sampling_params import SamplingParams
 
 #: OpenAI request fields specdec does not implement, each with the values that leave it off.
 #: Other values are refused (422), not ignored: the answer would not be what was asked for.
+MAX_CHOICES = 64  # choices of one response (prompts x n): each is a request in the engine's batch
 UNSUPPORTED_FIELDS = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
                       "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "tools": ([],),
                       "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",)}
@@ -47,7 +49,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -59,7 +61,19 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @model_validator(mode="after")
+    def _at_most_max_choices(self):
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts())} prompts x n={self.n} choices is more than {MAX_CHOICES}; "
+                             "send fewer at once")
+        return self
+
+    def prompts(self) -> list:
+        """The prompts of this request: one (a string or token ids) or a batch of them."""
+        batch = isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int)
+        return list(self.prompt) if batch else [self.prompt]
 
 
 class ChatMessage(BaseModel):
@@ -181,11 +195,55 @@ def _params(body: _SamplingFields, defaults: SamplingParams) -> SamplingParams:
     return attrs.evolve(defaults, **given)
 
 
-def _usage(req, update) -> dict:
-    """Usage from the final update's snapshot (``req`` only for its fixed prompt length)."""
-    completion = update.num_output_tokens
-    return {"prompt_tokens": req.prompt_len, "completion_tokens": completion,
-            "total_tokens": req.prompt_len + completion, "speculative": update.metrics.as_dict()}
+def _usage(finals: list, n: int) -> dict:
+    """Usage of a response from its choices' final updates (``req`` only for its fixed prompt
+    length; a prompt sampled ``n`` times counts once); ``speculative`` sums the choices'
+    metrics, its time to first token the response's first."""
+    prompt = sum(req.prompt_len for req, _ in finals[::n])
+    completion = sum(update.num_output_tokens for _, update in finals)
+    metrics = [update.metrics or RequestMetrics() for _, update in finals]
+    total = metrics[0]
+    if len(metrics) > 1:
+        total = RequestMetrics(arrival_time=min(m.arrival_time for m in metrics))
+        firsts = [m.first_token_time for m in metrics if m.first_token_time is not None]
+        total.first_token_time = min(firsts) if firsts else None
+        for m in metrics:
+            total.merge(m)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "speculative": total.as_dict()}
+
+
+def _nth_sample(params: SamplingParams, j: int) -> SamplingParams:
+    """The parameters of a prompt's j-th choice: a given seed advances per choice, so ``n``
+    seeded samples differ from each other."""
+    return params if j == 0 or params.seed is None else attrs.evolve(params, seed=params.seed + j)
+
+
+async def _merged(streams: list):
+    """(choice index, request, update) from several requests' update streams as they come;
+    closing it cancels the streams, which aborts their unfinished requests."""
+    arrivals: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for req, update in stream:
+                arrivals.put_nowait((i, req, update))
+        except Exception as exc:  # noqa: BLE001 - raised again to the consumer
+            arrivals.put_nowait((i, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, req, update = await arrivals.get()
+            if isinstance(update, Exception):
+                raise update
+            yield i, req, update
+            left -= update.finished
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def create_app(llm: LLM) -> FastAPI:
@@ -237,79 +295,95 @@ def create_app(llm: LLM) -> FastAPI:
 
         return Response(stats.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def run(http: HTTPRequest, token_ids: list[int], params: SamplingParams, chat: bool, stream: bool):
+    async def run(http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, n: int, chat: bool,
+                  stream: bool):
+        """One response: ``n`` choices of each prompt (OpenAI's order: prompt by prompt), each
+        choice a request of its own in the engine's batch."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        updates = engine.generate(token_ids, params)
-        first = await updates.__anext__()  # raises RequestError (-> 400) before any byte is sent
+        items = [(ids, _nth_sample(params, j)) for ids in prompts for j in range(n)]
+        for ids, item_params in items:  # all first: a bad prompt is a 400 before any is queued
+            llm.engine.check_request(ids, item_params)
+        updates = _merged([engine.generate(ids, item_params) for ids, item_params in items])
+        finals: dict[int, tuple] = {}  # choice index -> (request, its latest update)
 
         def finish(update, outcome="ok"):
             stats.finish(update.metrics or RequestMetrics(), update.num_output_tokens, outcome)
 
-        if not stream:
-            req, update = first
-            while not update.finished:
-                if await http.is_disconnected():
-                    await updates.aclose()
+        def abandon():
+            for _req, update in finals.values():
+                if not update.finished:
                     finish(update, "aborted")
+
+        if not stream:
+            async for i, req, update in updates:
+                finals[i] = (req, update)
+                if update.finished:
+                    finish(update, "error" if update.error else "ok")
+                elif await http.is_disconnected():
+                    await updates.aclose()
+                    abandon()
                     return JSONResponse(status_code=499, content={"error": {"message": "client disconnected"}})
-                req, update = await updates.__anext__()
-            if update.error:
-                finish(update, "error")
-                return JSONResponse(status_code=500, content={"error": {"message": update.error}})
-            finish(update)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": update.text}} if chat
-                      else {"index": 0, "text": update.text, "logprobs": None})
-            choice["finish_reason"] = update.finish_reason
-            return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                    "usage": _usage(req, update)}
+            results = [finals[i] for i in range(len(items))]
+            failed = [update.error for _, update in results if update.error]
+            if failed:
+                return JSONResponse(status_code=500, content={"error": {"message": failed[0]}})
+            choices = []
+            for i, (_req, update) in enumerate(results):
+                choice = ({"index": i, "message": {"role": "assistant", "content": update.text}} if chat
+                          else {"index": i, "text": update.text, "logprobs": None})
+                choice["finish_reason"] = update.finish_reason
+                choices.append(choice)
+            return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
+                    "usage": _usage(results, n)}
+
+        chunk_kind = f"{kind}.chunk" if chat else kind
 
         async def events():
-            shown = ""
-            req, update = first
+            shown = [""] * len(items)
             if chat:
-                yield _sse(rid, "chat.completion.chunk", created, model_name, {"role": "assistant", "content": ""},
-                           None, chat)
+                for i in range(len(items)):
+                    yield _sse(rid, chunk_kind, created, model_name, i, {"role": "assistant", "content": ""},
+                               None, chat)
             try:
-                while True:
+                async for i, req, update in updates:
+                    finals[i] = (req, update)
                     text = update.text
-                    if len(text) > len(shown) and not text.endswith("\ufffd"):
-                        yield _sse(rid, f"{kind}.chunk" if chat else kind, created, model_name,
-                                   text[len(shown):], None, chat)
-                        shown = text
+                    if len(text) > len(shown[i]) and not text.endswith("\ufffd"):
+                        yield _sse(rid, chunk_kind, created, model_name, i, text[len(shown[i]):], None, chat)
+                        shown[i] = text
                     if update.finished:
-                        break
-                    req, update = await updates.__anext__()
-                finish(update, "error" if update.error else "ok")
-                yield _sse(rid, f"{kind}.chunk" if chat else kind, created, model_name, "", update.finish_reason,
-                           chat, usage=_usage(req, update))
+                        finish(update, "error" if update.error else "ok")
+                        last = len(finals) == len(items) and all(u.finished for _, u in finals.values())
+                        usage = _usage([finals[j] for j in range(len(items))], n) if last else None
+                        yield _sse(rid, chunk_kind, created, model_name, i, "", update.finish_reason, chat, usage)
                 yield "data: [DONE]\n\n"
-            finally:
-                if not update.finished:  # the client went away mid-stream
-                    engine.abort(req.request_id)
-                    finish(update, "aborted")
+            finally:  # the client went away mid-stream: its unfinished choices are aborted
+                await updates.aclose()
+                abandon()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
-        return await run(http, llm.encode(body.prompt), _params(body, llm.config.sampling), False, body.stream)
+        prompts = [llm.encode(prompt) for prompt in body.prompts()]
+        return await run(http, prompts, _params(body, llm.config.sampling), body.n, False, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
         ids = llm.apply_chat_template([m.model_dump() for m in body.messages])
-        return await run(http, ids, _params(body, llm.config.sampling), True, body.stream)
+        return await run(http, [ids], _params(body, llm.config.sampling), body.n, True, body.stream)
 
     return app
 
 
-def _sse(rid, kind, created, model, text, finish_reason, chat, usage=None) -> str:
+def _sse(rid, kind, created, model, index, text, finish_reason, chat, usage=None) -> str:
     if chat:
         delta = text if isinstance(text, dict) else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
     chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
     if usage is not None:
         chunk["usage"] = usage

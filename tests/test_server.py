@@ -191,6 +191,55 @@ def test_chat_content_parts_and_the_developer_role(server, smol):
         client.chat.completions.create(model="any", messages=image, max_tokens=4)
 
 
+def test_several_prompts_and_n_choices_are_batched_requests(server, smol):
+    """OpenAI's batch form (a list of prompts, as strings or token ids) and ``n`` samples of a
+    prompt: one choice per request, in OpenAI's order, each what the request gets alone; a
+    seed advances per choice; streaming delivers every choice by its index."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    prompts = [PROMPTS[4], PROMPTS[5], PROMPTS[6]]
+    done = client.completions.create(model="any", prompt=prompts, max_tokens=10, temperature=0)
+    alone = [smol.generate(p, SamplingParams(max_tokens=10, temperature=0.0))[0] for p in prompts]
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert [c.text for c in done.choices] == [o.text for o in alone]
+    assert done.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in alone)
+    assert done.usage.completion_tokens == sum(len(o.token_ids) for o in alone)
+    as_ids = client.completions.create(model="any", prompt=[smol.encode(p) for p in prompts[:2]], max_tokens=10,
+                                       temperature=0)
+    assert [c.text for c in as_ids.choices] == [o.text for o in alone[:2]]
+
+    streamed = ["", ""]
+    for chunk in client.completions.create(model="any", prompt=prompts[:2], max_tokens=10, temperature=0,
+                                           stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [o.text for o in alone[:2]]
+
+    # Sampled: without the seed advancing per choice, a prompt's three seeded choices would be one text.
+    stories = ["Once upon a time", "The strangest thing about my town is"]
+    sampled = client.completions.create(model="any", prompt=stories, n=3, max_tokens=16, temperature=1.0, seed=11)
+    texts = [c.text for c in sampled.choices]
+    assert len(texts) == 6 and len(set(texts[:3])) > 1 and len(set(texts[3:])) > 1
+    assert sampled.usage.prompt_tokens == sum(len(smol.encode(p)) for p in stories)
+    assert 6 <= sampled.usage.completion_tokens <= 6 * 16
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    greedy = smol.chat(messages, SamplingParams(max_tokens=8, temperature=0.0))[0].text
+    chat = client.chat.completions.create(model="any", messages=messages, n=2, max_tokens=8, temperature=0)
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(model="any", messages=messages, n=2, max_tokens=8, temperature=0,
+                                                stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert [c.message.content for c in chat.choices] == streamed == [greedy, greedy]
+
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": ["a"] * 9, "n": 8, "max_tokens": 2})
+    assert r.status_code == 422 and "more than 64" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": ["Hi", ""], "max_tokens": 2})
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+
+
 def test_metrics_are_prometheus_exposition_with_histograms(server):
     from prometheus_client.parser import text_string_to_metric_families
 
