@@ -1,6 +1,6 @@
 """specdec: lossless speculative decoding for transformers models, every method a plugin."""
 
-from .api import LLM, RequestOutput
+from .api import LLM, CompletionOutput, RequestOutput
 from .drafting import Drafter, DraftProposal, StepResult, TreeMask
 from .executor.model_runner import TargetModel, TargetParts
 from .hookspecs import hookimpl
@@ -9,5 +9,5 @@ from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "DecodingType", "DraftProposal", "Drafter", "RequestOutput", "SamplingParams", "StepResult",
+__all__ = ["LLM", "CompletionOutput", "DecodingType", "DraftProposal", "Drafter", "RequestOutput", "SamplingParams", "StepResult",
            "TargetModel", "TargetParts", "TreeMask", "hookimpl"]

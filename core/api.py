@@ -26,6 +26,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @attrs.define
+class CompletionOutput:
+    """vLLM's view of a request's one completion (``RequestOutput.outputs[0]``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@attrs.define
 class RequestOutput:
     """One finished request: ``text`` and ``token_ids`` hold the generated part only."""
 
@@ -36,6 +46,12 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     metrics: RequestMetrics
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The completion as vLLM's ``RequestOutput.outputs`` holds it, so code written for
+        vLLM (``out.outputs[0].text``) runs unchanged."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
 
 
 def resolve_device(device: str) -> torch.device:

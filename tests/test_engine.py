@@ -363,6 +363,9 @@ def test_each_prompt_may_have_its_own_sampling_params(smol, smol_hf):
         assert_greedy_equal(smol_hf, smol, PROMPTS[i], together[i].token_ids, alone[i].token_ids)
     assert together[1].token_ids == alone[1].token_ids  # its own seed, whatever shares the batch
     assert together[2].finish_reason == alone[2].finish_reason
+    vllm_view = together[1].outputs  # vLLM's out.outputs[0].text runs unchanged
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in vllm_view] == [
+        (0, together[1].text, together[1].token_ids, together[1].finish_reason)]
     with pytest.raises(RequestError, match="2 given for 3 prompts"):
         smol.generate(PROMPTS[:3], params[:2])
     with pytest.raises(RequestError, match="a list of other things"):
