@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 import torch
+from tqdm import tqdm
 
 from .config import EngineConfig, SpecdecConfig, config_from_dict, load_config, merge_overrides, unstructure
 from .errors import ModelLoadError, RequestError
@@ -152,18 +153,20 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for one prompt or many (strings or token-id lists), batched continuously;
-        ``sampling_params`` is one for all prompts or, as in vLLM, a sequence of one per prompt."""
+        ``sampling_params`` is one for all prompts or, as in vLLM, a sequence of one per prompt;
+        ``use_tqdm`` shows finished requests on a progress bar (stderr)."""
         prompts = self._as_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         encoded = [self.encode(p) for p in prompts]
         for ids, sp in zip(encoded, params):  # all first: a bad prompt must not leave the good ones queued
             self.engine.check_request(ids, sp)
         reqs = [(p, self.engine.add_request(ids, sp)) for p, ids, sp in zip(prompts, encoded, params)]
-        while self.engine.has_unfinished():
-            self.engine.step()
+        with tqdm(total=len(reqs), desc="requests", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                bar.update(sum(out.finished for out in self.engine.step()))
         return [self._output(p, r) for p, r in reqs]
 
     def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
@@ -178,12 +181,12 @@ class LLM:
                                "per prompt, or a single SamplingParams for all of them")
         return list(sampling_params)
 
-    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-             ) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Reply to one conversation (a list of {role, content}) or to several (``sampling_params``
-        as in :meth:`generate`)."""
+        and ``use_tqdm`` as in :meth:`generate`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params)
+        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
 
     def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text pieces of one request as its tokens are accepted; ``last_output`` holds the result."""

@@ -350,7 +350,7 @@ def test_a_bad_prompt_among_good_ones_queues_none_of_them(smol):
     assert len(outs) == 1 and len(outs[0].token_ids) == 4
 
 
-def test_each_prompt_may_have_its_own_sampling_params(smol, smol_hf):
+def test_each_prompt_may_have_its_own_sampling_params(smol, smol_hf, capsys):
     """vLLM's form: ``generate(prompts, [params, ...])``, one per prompt, each request served
     as it would be alone; a list of the wrong length or of other things is a clear error."""
     params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
@@ -363,6 +363,9 @@ def test_each_prompt_may_have_its_own_sampling_params(smol, smol_hf):
         assert_greedy_equal(smol_hf, smol, PROMPTS[i], together[i].token_ids, alone[i].token_ids)
     assert together[1].token_ids == alone[1].token_ids  # its own seed, whatever shares the batch
     assert together[2].finish_reason == alone[2].finish_reason
+    with_bar = smol.generate(PROMPTS[:3], params, use_tqdm=True)  # vLLM's keyword: a bar on stderr
+    assert capsys.readouterr().err.count("3/3") >= 1 and [o.token_ids for o in with_bar] == [
+        o.token_ids for o in together]
     vllm_view = together[1].outputs  # vLLM's out.outputs[0].text runs unchanged
     assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in vllm_view] == [
         (0, together[1].text, together[1].token_ids, together[1].finish_reason)]
