@@ -34,6 +34,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
 
 
 @attrs.define
@@ -47,12 +48,15 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     metrics: RequestMetrics
+    logprobs: list[dict[int, float]] | None = None
+    """With ``SamplingParams.logprobs``: per generated token, {token id: log-probability}, the
+    generated token first, then the most likely tokens at its position."""
 
     @property
     def outputs(self) -> list[CompletionOutput]:
         """The completion as vLLM's ``RequestOutput.outputs`` holds it, so code written for
         vLLM (``out.outputs[0].text``) runs unchanged."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -214,7 +218,8 @@ class LLM:
         return RequestOutput(request_id=req.request_id, prompt=prompt if isinstance(prompt, str) else None,
                              prompt_token_ids=req.token_ids[:req.prompt_len], text=text,
                              token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
-                             metrics=req.metrics)
+                             metrics=req.metrics,
+                             logprobs=None if req.sampling_params.logprobs is None else list(req.output_logprobs))
 
 
 def _text_message(index: int, message) -> dict:

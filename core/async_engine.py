@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 class Update:
     """New tokens of a request, or its end (``finished``), or its failure (``error``), with
     snapshots taken on the engine thread: ``text`` (the output so far, cut at a stop
-    string), ``num_output_tokens``, and on the last update ``finish_reason`` and a copy of
-    the request's ``metrics``."""
+    string), ``num_output_tokens``, the log-probabilities of the new tokens where the request
+    asks for them (``new_logprobs``, as ``RequestOutput.logprobs`` holds them), and on the
+    last update ``finish_reason`` and a copy of the request's ``metrics``."""
 
     new_token_ids: list[int]
     finished: bool = False
@@ -42,6 +43,7 @@ class Update:
     num_output_tokens: int = 0
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
+    new_logprobs: list[dict[int, float]] = attrs.Factory(list)
 
 
 class AsyncEngine:
@@ -101,9 +103,10 @@ class AsyncEngine:
 
     def _snapshot(self, req: Request, new_token_ids: list[int], error: str | None = None) -> Update:
         finished = req.finished
+        logprobs = req.output_logprobs[len(req.output_logprobs) - len(new_token_ids):] if new_token_ids else []
         return Update(list(new_token_ids), finished, error, text=self.llm.output_text(req),
                       num_output_tokens=req.num_output_tokens, finish_reason=req.finish_reason if finished else None,
-                      metrics=copy.deepcopy(req.metrics) if finished else None)
+                      metrics=copy.deepcopy(req.metrics) if finished else None, new_logprobs=logprobs)
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]

@@ -6,6 +6,9 @@ import attrs
 
 from .errors import FieldError
 
+#: the most top tokens a request may ask log-probabilities of at each position (OpenAI's limit)
+MAX_LOGPROBS = 20
+
 
 def _check_range(lo, hi, lo_open=False):
     def check(inst, attribute, value):
@@ -48,6 +51,10 @@ class SamplingParams:
         stop: strings that end generation (not included in the text).
         stop_token_ids: extra token ids that end generation.
         ignore_eos: keep generating past the end-of-sequence token.
+        logprobs: return each generated token's log-probability under the target (its own
+            distribution: before temperature, top-k/p, min-p and the repetition penalty,
+            as vLLM's default) with those of the ``logprobs`` most likely tokens at its
+            position (0: the generated token's alone; at most 20); None: none.
     """
 
     max_tokens: int = attrs.field(default=64, validator=_check_range(1, None))
@@ -60,6 +67,7 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str, validator=_check_stop)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = attrs.field(default=None, validator=_check_range(0, MAX_LOGPROBS))
 
     @property
     def greedy(self) -> bool:

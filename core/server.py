@@ -25,15 +25,15 @@ from .api import LLM
 from .async_engine import AsyncEngine
 from .errors import SpecdecError
 from .executor.metrics import RequestMetrics
-from .sampling_params import SamplingParams
+from .sampling_params import MAX_LOGPROBS, SamplingParams
 
 
+MAX_CHOICES = 64  # choices of one response (prompts x n): each is a request in the engine's batch
 #: OpenAI request fields specdec does not implement, each with the values that leave it off.
 #: Other values are refused (422), not ignored: the answer would not be what was asked for.
-MAX_CHOICES = 64  # choices of one response (prompts x n): each is a request in the engine's batch
 UNSUPPORTED_FIELDS = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
-                      "logprobs": (False, 0), "top_logprobs": (0,), "best_of": (1,), "tools": ([],),
-                      "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",)}
+                      "best_of": (1,), "tools": ([],), "response_format": ({"type": "text"},),
+                      "echo": (False,), "suffix": ("",)}
 
 
 class _SamplingFields(BaseModel):
@@ -62,6 +62,10 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top tokens a position (legacy form)
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _at_most_max_choices(self):
@@ -84,6 +88,17 @@ class ChatMessage(BaseModel):
 class ChatRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @model_validator(mode="after")
     def _one_length_limit(self):
@@ -189,10 +204,32 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _params(body: _SamplingFields, defaults: SamplingParams) -> SamplingParams:
+def _params(body: CompletionRequest | ChatRequest, defaults: SamplingParams) -> SamplingParams:
     given = {k: getattr(body, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                                            "repetition_penalty", "seed", "stop") if getattr(body, k) is not None}
-    return attrs.evolve(defaults, **given)
+    return attrs.evolve(defaults, **given, logprobs=body.logprobs_asked())
+
+
+def _logprobs_json(entries: list[dict[int, float]], num_top: int, chat: bool, decode, offset: int = 0) -> dict:
+    """Tokens' log-probabilities (``RequestOutput.logprobs`` entries) in OpenAI's form: chat's
+    ``content`` list, or the completions API's legacy columns with ``text_offset`` counted
+    from ``offset``."""
+    rows = []
+    for entry in entries:
+        (token, logprob), *_ = entry.items()
+        top = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+        rows.append((decode([token]), logprob, [(decode([t]), v) for t, v in top]))
+    if chat:
+        def piece(text, logprob):
+            return {"token": text, "logprob": logprob, "bytes": None if "\ufffd" in text else list(text.encode())}
+        return {"content": [{**piece(text, logprob), "top_logprobs": [piece(t, v) for t, v in top]}
+                            for text, logprob, top in rows]}
+    offsets = []
+    for text, _, _ in rows:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": [text for text, _, _ in rows], "token_logprobs": [logprob for _, logprob, _ in rows],
+            "top_logprobs": [dict(top) for _, _, top in rows], "text_offset": offsets}
 
 
 def _usage(finals: list, n: int) -> dict:
@@ -251,6 +288,9 @@ def create_app(llm: LLM) -> FastAPI:
     stats = ServerMetrics(llm.engine)
     model_name = llm.target.name
 
+    def token_text(ids: list[int]) -> str:
+        return llm.tokenizer.decode(ids) if llm.tokenizer is not None else str(ids[0])
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
@@ -307,6 +347,13 @@ def create_app(llm: LLM) -> FastAPI:
             llm.engine.check_request(ids, item_params)
         updates = _merged([engine.generate(ids, item_params) for ids, item_params in items])
         finals: dict[int, tuple] = {}  # choice index -> (request, its latest update)
+        logprobs: list[list] = [[] for _ in items]  # per choice, its tokens' logprobs not yet sent
+
+        def logprobs_json(i, offset=0):
+            if params.logprobs is None:
+                return None
+            sent, logprobs[i] = logprobs[i], []
+            return _logprobs_json(sent, params.logprobs, chat, token_text, offset)
 
         def finish(update, outcome="ok"):
             stats.finish(update.metrics or RequestMetrics(), update.num_output_tokens, outcome)
@@ -319,6 +366,7 @@ def create_app(llm: LLM) -> FastAPI:
         if not stream:
             async for i, req, update in updates:
                 finals[i] = (req, update)
+                logprobs[i] += update.new_logprobs
                 if update.finished:
                     finish(update, "error" if update.error else "ok")
                 elif await http.is_disconnected():
@@ -332,7 +380,8 @@ def create_app(llm: LLM) -> FastAPI:
             choices = []
             for i, (_req, update) in enumerate(results):
                 choice = ({"index": i, "message": {"role": "assistant", "content": update.text}} if chat
-                          else {"index": i, "text": update.text, "logprobs": None})
+                          else {"index": i, "text": update.text})
+                choice["logprobs"] = logprobs_json(i)
                 choice["finish_reason"] = update.finish_reason
                 choices.append(choice)
             return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
@@ -342,6 +391,7 @@ def create_app(llm: LLM) -> FastAPI:
 
         async def events():
             shown = [""] * len(items)
+            offsets = [0] * len(items)  # the legacy logprobs' text_offset of each choice's next token
             if chat:
                 for i in range(len(items)):
                     yield _sse(rid, chunk_kind, created, model_name, i, {"role": "assistant", "content": ""},
@@ -349,15 +399,20 @@ def create_app(llm: LLM) -> FastAPI:
             try:
                 async for i, req, update in updates:
                     finals[i] = (req, update)
+                    logprobs[i] += update.new_logprobs
                     text = update.text
                     if len(text) > len(shown[i]) and not text.endswith("\ufffd"):
-                        yield _sse(rid, chunk_kind, created, model_name, i, text[len(shown[i]):], None, chat)
+                        sent = logprobs_json(i, offsets[i])
+                        offsets[i] += sum(len(t) for t in sent["tokens"]) if sent and not chat else 0
+                        yield _sse(rid, chunk_kind, created, model_name, i, text[len(shown[i]):], None, chat,
+                                   logprobs=sent)
                         shown[i] = text
                     if update.finished:
                         finish(update, "error" if update.error else "ok")
                         last = len(finals) == len(items) and all(u.finished for _, u in finals.values())
                         usage = _usage([finals[j] for j in range(len(items))], n) if last else None
-                        yield _sse(rid, chunk_kind, created, model_name, i, "", update.finish_reason, chat, usage)
+                        yield _sse(rid, chunk_kind, created, model_name, i, "", update.finish_reason, chat, usage,
+                                   logprobs=logprobs_json(i, offsets[i]) if logprobs[i] else None)
                 yield "data: [DONE]\n\n"
             finally:  # the client went away mid-stream: its unfinished choices are aborted
                 await updates.aclose()
@@ -378,12 +433,12 @@ def create_app(llm: LLM) -> FastAPI:
     return app
 
 
-def _sse(rid, kind, created, model, index, text, finish_reason, chat, usage=None) -> str:
+def _sse(rid, kind, created, model, index, text, finish_reason, chat, usage=None, logprobs=None) -> str:
     if chat:
         delta = text if isinstance(text, dict) else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
     if usage is not None:
         chunk["usage"] = usage

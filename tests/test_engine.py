@@ -511,3 +511,31 @@ def test_randomized_kv_pressure_every_request_finishes_with_roomy_outputs(tiny_m
             assert r.output_token_ids == roomy_outputs[key], f"trial {trial}"
         assert llm.engine.kv.pool.num_free == blocks  # every block back in the pool
     assert preempted > 0  # the pools were small enough to preempt
+
+
+@pytest.mark.parametrize("method", ["ngram", "medusa"])  # chains, and trees whose paths leave first children
+def test_logprobs_are_the_targets_own_at_every_generated_token(smol_hf, method):
+    """``SamplingParams.logprobs``: each generated token's log-probability and the top ones
+    at its position equal the stock model's log-softmax there, for tokens that came from
+    verified drafts as for the others, greedy or sampled, a stop string cutting the step."""
+    spec = LLM(dtype="float32", speculative_config={"decoding_type": method, "adaptive": False})
+    copy = "Repeat exactly: 1. Apple 2. Banana 3. Cherry 4. Date 5. Elderberry 6. Fig\nRepeat: 1. Apple"
+    params = [SamplingParams(max_tokens=24, temperature=0.0, logprobs=3),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=1, logprobs=0, stop=["5."]),
+              SamplingParams(max_tokens=8, temperature=0.0)]
+    outs = spec.generate([copy, copy, PROMPTS[0]], params)
+    assert outs[0].metrics.num_accepted_tokens > 0 and outs[1].metrics.num_accepted_tokens > 0
+    assert outs[1].finish_reason == "stop" and outs[2].logprobs is None
+    for out, sp in zip(outs[:2], params):
+        with torch.no_grad():
+            logits = smol_hf(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0]
+        reference = torch.log_softmax(logits[len(out.prompt_token_ids) - 1:-1], dim=-1)
+        assert len(out.logprobs) == len(out.token_ids)
+        for row, token, entry in zip(reference, out.token_ids, out.logprobs):
+            assert next(iter(entry)) == token
+            assert entry[token] == pytest.approx(float(row[token]), abs=1e-4)
+            top = row.topk(sp.logprobs + 1)
+            if sp.logprobs and top.values[-2] - top.values[-1] > 1e-4:  # not a tie at the k-th place
+                assert set(entry) == {token, *top.indices[:-1].tolist()}
+            for t, value in entry.items():
+                assert value == pytest.approx(float(row[t]), abs=1e-4)

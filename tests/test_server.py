@@ -159,7 +159,7 @@ def test_openai_fields_specdec_lacks_are_refused_not_ignored(server, smol):
     assert chat.usage.completion_tokens == 5
     assert chat.choices[0].message.content == smol.chat(messages, SamplingParams(max_tokens=5, temperature=0.0))[0].text
     for field, value in (("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("logit_bias", {"42": 5}),
-                         ("logprobs", True)):
+                         ("response_format", {"type": "json_object"})):
         with pytest.raises((UnprocessableEntityError, BadRequestError), match=field):
             client.chat.completions.create(model="any", messages=messages, max_tokens=4, **{field: value})
     with pytest.raises(UnprocessableEntityError, match="disagree"):
@@ -238,6 +238,40 @@ def test_several_prompts_and_n_choices_are_batched_requests(server, smol):
     assert r.status_code == 422 and "more than 64" in r.json()["error"]["message"]
     r = httpx.post(f"{server}/v1/completions", json={"prompt": ["Hi", ""], "max_tokens": 2})
     assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+
+
+def test_logprobs_in_openai_form_streamed_or_not(server, smol):
+    """Completions' legacy ``logprobs`` columns and chat's ``logprobs`` / ``top_logprobs``:
+    the target's own figures (as ``LLM.generate`` gives them), streamed or not."""
+    from openai import OpenAI, UnprocessableEntityError
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    offline = smol.generate(PROMPTS[9], SamplingParams(max_tokens=12, temperature=0.0, logprobs=2))[0]
+    want = [entry[token] for entry, token in zip(offline.logprobs, offline.token_ids)]
+    done = client.completions.create(model="any", prompt=PROMPTS[9], max_tokens=12, temperature=0, logprobs=2)
+    columns = done.choices[0].logprobs
+    assert columns.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert "".join(columns.tokens) == done.choices[0].text and len(columns.top_logprobs[0]) == 2
+    assert columns.text_offset == [sum(len(t) for t in columns.tokens[:i]) for i in range(len(columns.tokens))]
+    streamed = []
+    for chunk in client.completions.create(model="any", prompt=PROMPTS[9], max_tokens=12, temperature=0,
+                                           logprobs=2, stream=True):
+        if chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed == pytest.approx(want, abs=1e-4)
+
+    messages = [{"role": "user", "content": "Name two colors."}]
+    offline = smol.chat(messages, SamplingParams(max_tokens=8, temperature=0.0, logprobs=3))[0]
+    chat = client.chat.completions.create(model="any", messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(
+        [entry[token] for entry, token in zip(offline.logprobs, offline.token_ids)], abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-4 for c in content)
+    plain = client.chat.completions.create(model="any", messages=messages, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(UnprocessableEntityError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="any", messages=messages, max_tokens=4, top_logprobs=2)
 
 
 def test_metrics_are_prometheus_exposition_with_histograms(server):

@@ -417,6 +417,7 @@ class Engine:
         kept_rows = []  # per result, the forward's rows whose KV it commits
         kept_slots = []  # their KV slots, where the hidden cache keeps their states
         prefixes = {}  # result index -> the prefix cache's stored states, put before its chunk's
+        logprob_rows = {}  # result index -> the logits rows of its new tokens, where it asks their logprobs
         keep_states = self.hidden_cache is not None
         for it in items:
             req = it.request
@@ -424,6 +425,8 @@ class Engine:
                 self.kv.commit(req, it.start + len(it.tokens))
                 new = [] if not it.num_logits else (
                     greedy[id(it)].tokens if id(it) in greedy else self._sample_first(req, it, logits))
+                if new and req.sampling_params.logprobs is not None:
+                    logprob_rows[len(results)] = [it.logits_from]
                 start = it.start
                 kept_rows.append(range(it.row_offset, it.row_offset + len(it.tokens)))
                 if keep_states:
@@ -446,16 +449,21 @@ class Engine:
             if it.proposal is not None and it.proposal.aux_token_ids:
                 first_aux = it.logits_from + 1 + len(it.proposal.token_ids)
                 aux = logits[first_aux:first_aux + len(it.proposal.aux_token_ids)]
+            if req.sampling_params.logprobs is not None:
+                logprob_rows[len(results)] = [it.logits_from, *(it.logits_from + 1 + n for n in verdict.accepted_nodes)]
             results.append(StepResult(request=req, new_token_ids=verdict.tokens, proposal=it.proposal, start=root,
                                       accepted_nodes=verdict.accepted_nodes, aux_logits=aux))
         if moves_src:
             self.kv.move(moves_src, moves_dst, self.target.device)
         if hidden:
             self._hand_over_hidden(results, hidden, kept_rows, kept_slots, prefixes)
+        logprobs = self._token_logprobs(results, logprob_rows, logits)
         outputs = []
-        for res in results:
+        for i, res in enumerate(results):
             req = res.request
             out = self._append(req, res.new_token_ids)
+            if i in logprobs:  # the tokens kept: a stop may have cut the step's tokens short
+                req.output_logprobs += logprobs[i][:len(out.new_token_ids)]
             if not res.is_prefill:
                 accepted = len(res.accepted_nodes)
                 # a stop (EOS, stop string, length) inside the accepted drafts shortens the output
@@ -493,6 +501,36 @@ class Engine:
                 states = {layer: torch.cat([prefixes[i][layer], h]) for layer, h in states.items()}
             res.hidden_states = states
             first += n
+
+    @staticmethod
+    def _token_logprobs(results: list[StepResult], rows: dict[int, list[int]], logits: torch.Tensor
+                        ) -> dict[int, list[dict[int, float]]]:
+        """For each result in ``rows``, one dict per new token: its log-probability under the
+        target's own distribution at the logits row it was chosen from (its first key), then
+        those of the ``SamplingParams.logprobs`` most likely tokens there. One log-softmax
+        over the rows of every such result in the step; a verified draft token's row is the
+        row plain decoding would have read, so its figures are plain decoding's."""
+        if not rows:
+            return {}
+        flat = torch.tensor([r for result_rows in rows.values() for r in result_rows], device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, flat).float(), dim=-1)
+        tokens = torch.tensor([t for i in rows for t in results[i].new_token_ids], device=logits.device)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        k = max(results[i].request.sampling_params.logprobs for i in rows)
+        top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        out, row = {}, 0
+        for i in rows:
+            num_top = results[i].request.sampling_params.logprobs
+            entries = []
+            for token in results[i].new_token_ids:
+                entry = {token: chosen[row]}
+                for top_id, value in zip(top_ids[row][:num_top], top_values[row][:num_top]):
+                    entry.setdefault(top_id, value)
+                entries.append(entry)
+                row += 1
+            out[i] = entries
+        return out
 
     def _probs(self, req: Request, logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
         params = req.sampling_params

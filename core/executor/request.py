@@ -50,6 +50,7 @@ class Request:
     probe_after: int = 0  # steps without drafts before the planner probes again (0: its default)
     last_warm_up: int = -1  # serial number of its last aux-only warm-up (the planner runs the oldest first)
     stop_text: str | None = None  # the output text cut before a stop string that ended it
+    output_logprobs: list[dict[int, float]] = attrs.Factory(list)  # per output token, if asked (see SamplingParams)
 
     @property
     def output_token_ids(self) -> list[int]:
