@@ -10,104 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
-from typing import Literal
 
-import attrs
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .api import LLM
 from .async_engine import AsyncEngine
 from .errors import SpecdecError
 from .executor.metrics import RequestMetrics
-from .sampling_params import MAX_LOGPROBS, SamplingParams
-
-
-MAX_CHOICES = 64  # choices of one response (prompts x n): each is a request in the engine's batch
-#: OpenAI request fields specdec does not implement, each with the values that leave it off.
-#: Other values are refused (422), not ignored: the answer would not be what was asked for.
-UNSUPPORTED_FIELDS = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
-                      "best_of": (1,), "tools": ([],), "response_format": ({"type": "text"},),
-                      "echo": (False,), "suffix": ("",)}
-
-
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")  # other fields (user, stream_options...) change no output
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-
-    @model_validator(mode="after")
-    def _refuse_unsupported(self):
-        for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED_FIELDS and value is not None and value not in UNSUPPORTED_FIELDS[name]:
-                hint = " (repetition_penalty is the penalty specdec applies)" if name.endswith("_penalty") else ""
-                raise ValueError(f"{name}={value!r} is not supported by specdec{hint}; leave it out")
-        return self
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top tokens a position (legacy form)
-
-    def logprobs_asked(self) -> int | None:
-        return self.logprobs
-
-    @model_validator(mode="after")
-    def _at_most_max_choices(self):
-        if len(self.prompts()) * self.n > MAX_CHOICES:
-            raise ValueError(f"{len(self.prompts())} prompts x n={self.n} choices is more than {MAX_CHOICES}; "
-                             "send fewer at once")
-        return self
-
-    def prompts(self) -> list:
-        """The prompts of this request: one (a string or token ids) or a batch of them."""
-        batch = isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int)
-        return list(self.prompt) if batch else [self.prompt]
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict]  # a string or OpenAI's content parts; `LLM.apply_chat_template` reads both
-
-
-class ChatRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-
-    def logprobs_asked(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
-
-    @model_validator(mode="after")
-    def _one_length_limit(self):
-        if self.max_completion_tokens is not None:
-            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens="
-                                 f"{self.max_completion_tokens} disagree; give one of them")
-            self.max_tokens = self.max_completion_tokens
-        return self
+from .openai_protocol import (ChatRequest, CompletionRequest, logprobs_json, nth_sample, sampling_params_of,
+                              sse_chunk, usage_json)
+from .sampling_params import SamplingParams
 
 
 class _EngineCollector:
@@ -204,58 +120,6 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _params(body: CompletionRequest | ChatRequest, defaults: SamplingParams) -> SamplingParams:
-    given = {k: getattr(body, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                                           "repetition_penalty", "seed", "stop") if getattr(body, k) is not None}
-    return attrs.evolve(defaults, **given, logprobs=body.logprobs_asked())
-
-
-def _logprobs_json(entries: list[dict[int, float]], num_top: int, chat: bool, decode, offset: int = 0) -> dict:
-    """Tokens' log-probabilities (``RequestOutput.logprobs`` entries) in OpenAI's form: chat's
-    ``content`` list, or the completions API's legacy columns with ``text_offset`` counted
-    from ``offset``."""
-    rows = []
-    for entry in entries:
-        (token, logprob), *_ = entry.items()
-        top = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
-        rows.append((decode([token]), logprob, [(decode([t]), v) for t, v in top]))
-    if chat:
-        def piece(text, logprob):
-            return {"token": text, "logprob": logprob, "bytes": None if "\ufffd" in text else list(text.encode())}
-        return {"content": [{**piece(text, logprob), "top_logprobs": [piece(t, v) for t, v in top]}
-                            for text, logprob, top in rows]}
-    offsets = []
-    for text, _, _ in rows:
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": [text for text, _, _ in rows], "token_logprobs": [logprob for _, logprob, _ in rows],
-            "top_logprobs": [dict(top) for _, _, top in rows], "text_offset": offsets}
-
-
-def _usage(finals: list, n: int) -> dict:
-    """Usage of a response from its choices' final updates (``req`` only for its fixed prompt
-    length; a prompt sampled ``n`` times counts once); ``speculative`` sums the choices'
-    metrics, its time to first token the response's first."""
-    prompt = sum(req.prompt_len for req, _ in finals[::n])
-    completion = sum(update.num_output_tokens for _, update in finals)
-    metrics = [update.metrics or RequestMetrics() for _, update in finals]
-    total = metrics[0]
-    if len(metrics) > 1:
-        total = RequestMetrics(arrival_time=min(m.arrival_time for m in metrics))
-        firsts = [m.first_token_time for m in metrics if m.first_token_time is not None]
-        total.first_token_time = min(firsts) if firsts else None
-        for m in metrics:
-            total.merge(m)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "speculative": total.as_dict()}
-
-
-def _nth_sample(params: SamplingParams, j: int) -> SamplingParams:
-    """The parameters of a prompt's j-th choice: a given seed advances per choice, so ``n``
-    seeded samples differ from each other."""
-    return params if j == 0 or params.seed is None else attrs.evolve(params, seed=params.seed + j)
-
-
 async def _merged(streams: list):
     """(choice index, request, update) from several requests' update streams as they come;
     closing it cancels the streams, which aborts their unfinished requests."""
@@ -342,18 +206,19 @@ def create_app(llm: LLM) -> FastAPI:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        items = [(ids, _nth_sample(params, j)) for ids in prompts for j in range(n)]
+        items = [(ids, nth_sample(params, j)) for ids in prompts for j in range(n)]
         for ids, item_params in items:  # all first: a bad prompt is a 400 before any is queued
             llm.engine.check_request(ids, item_params)
         updates = _merged([engine.generate(ids, item_params) for ids, item_params in items])
         finals: dict[int, tuple] = {}  # choice index -> (request, its latest update)
         logprobs: list[list] = [[] for _ in items]  # per choice, its tokens' logprobs not yet sent
 
-        def logprobs_json(i, offset=0):
+        def take_logprobs(i, offset=0):
+            """The logprobs JSON of choice ``i``'s tokens not sent yet (None if not asked)."""
             if params.logprobs is None:
                 return None
             sent, logprobs[i] = logprobs[i], []
-            return _logprobs_json(sent, params.logprobs, chat, token_text, offset)
+            return logprobs_json(sent, params.logprobs, chat, token_text, offset)
 
         def finish(update, outcome="ok"):
             stats.finish(update.metrics or RequestMetrics(), update.num_output_tokens, outcome)
@@ -381,38 +246,38 @@ def create_app(llm: LLM) -> FastAPI:
             for i, (_req, update) in enumerate(results):
                 choice = ({"index": i, "message": {"role": "assistant", "content": update.text}} if chat
                           else {"index": i, "text": update.text})
-                choice["logprobs"] = logprobs_json(i)
+                choice["logprobs"] = take_logprobs(i)
                 choice["finish_reason"] = update.finish_reason
                 choices.append(choice)
             return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": choices,
-                    "usage": _usage(results, n)}
+                    "usage": usage_json(results, n)}
 
-        chunk_kind = f"{kind}.chunk" if chat else kind
+        def chunk(i, text, finish_reason, usage=None, logprobs=None) -> str:
+            return sse_chunk(rid, f"{kind}.chunk" if chat else kind, created, model_name, i, text, finish_reason, chat,
+                             usage, logprobs)
 
         async def events():
             shown = [""] * len(items)
             offsets = [0] * len(items)  # the legacy logprobs' text_offset of each choice's next token
             if chat:
                 for i in range(len(items)):
-                    yield _sse(rid, chunk_kind, created, model_name, i, {"role": "assistant", "content": ""},
-                               None, chat)
+                    yield chunk(i, {"role": "assistant", "content": ""}, None)
             try:
                 async for i, req, update in updates:
                     finals[i] = (req, update)
                     logprobs[i] += update.new_logprobs
                     text = update.text
                     if len(text) > len(shown[i]) and not text.endswith("\ufffd"):
-                        sent = logprobs_json(i, offsets[i])
+                        sent = take_logprobs(i, offsets[i])
                         offsets[i] += sum(len(t) for t in sent["tokens"]) if sent and not chat else 0
-                        yield _sse(rid, chunk_kind, created, model_name, i, text[len(shown[i]):], None, chat,
-                                   logprobs=sent)
+                        yield chunk(i, text[len(shown[i]):], None, logprobs=sent)
                         shown[i] = text
                     if update.finished:
                         finish(update, "error" if update.error else "ok")
                         last = len(finals) == len(items) and all(u.finished for _, u in finals.values())
-                        usage = _usage([finals[j] for j in range(len(items))], n) if last else None
-                        yield _sse(rid, chunk_kind, created, model_name, i, "", update.finish_reason, chat, usage,
-                                   logprobs=logprobs_json(i, offsets[i]) if logprobs[i] else None)
+                        usage = usage_json([finals[j] for j in range(len(items))], n) if last else None
+                        yield chunk(i, "", update.finish_reason, usage,
+                                    logprobs=take_logprobs(i, offsets[i]) if logprobs[i] else None)
                 yield "data: [DONE]\n\n"
             finally:  # the client went away mid-stream: its unfinished choices are aborted
                 await updates.aclose()
@@ -423,26 +288,14 @@ def create_app(llm: LLM) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
         prompts = [llm.encode(prompt) for prompt in body.prompts()]
-        return await run(http, prompts, _params(body, llm.config.sampling), body.n, False, body.stream)
+        return await run(http, prompts, sampling_params_of(body, llm.config.sampling), body.n, False, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
         ids = llm.apply_chat_template([m.model_dump() for m in body.messages])
-        return await run(http, [ids], _params(body, llm.config.sampling), body.n, True, body.stream)
+        return await run(http, [ids], sampling_params_of(body, llm.config.sampling), body.n, True, body.stream)
 
     return app
-
-
-def _sse(rid, kind, created, model, index, text, finish_reason, chat, usage=None, logprobs=None) -> str:
-    if chat:
-        delta = text if isinstance(text, dict) else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    else:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    chunk = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
-    if usage is not None:
-        chunk["usage"] = usage
-    return f"data: {json.dumps(chunk)}\n\n"
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000) -> None:
