@@ -129,12 +129,24 @@ class LLM:
 
     # -- prompts ----------------------------------------------------------------------
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def get_tokenizer(self):
+        """The target's tokenizer (None for a model given without one), as vLLM's ``LLM`` has it."""
+        return self.tokenizer
+
+    def encode(self, prompt: str | Sequence[int] | dict) -> list[int]:
+        """Token ids of a prompt: a string, token ids, or vLLM's ``{"prompt": str}`` /
+        ``{"prompt_token_ids": [...]}``."""
+        if isinstance(prompt, dict) and len(prompt) == 1 and ("prompt" in prompt or "prompt_token_ids" in prompt):
+            (prompt,) = prompt.values()
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer: give prompts as lists of token ids")
             return self.tokenizer(prompt).input_ids
-        return [int(t) for t in prompt]
+        try:
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise RequestError(f"a prompt is a string, a list of token ids, {{'prompt': str}} or "
+                               f"{{'prompt_token_ids': [int, ...]}}; got {prompt!r:.80}") from None
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -151,7 +163,8 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts) -> list:
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                 and isinstance(prompts[0], int)):
             return [prompts]
         return list(prompts)
 
@@ -215,6 +228,8 @@ class LLM:
         if req.finish_reason == "error":
             raise RequestError(req.error or "the request failed")
         text = self.output_text(req)
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt")
         return RequestOutput(request_id=req.request_id, prompt=prompt if isinstance(prompt, str) else None,
                              prompt_token_ids=req.token_ids[:req.prompt_len], text=text,
                              token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,

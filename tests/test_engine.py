@@ -350,7 +350,7 @@ def test_a_bad_prompt_among_good_ones_queues_none_of_them(smol):
     assert len(outs) == 1 and len(outs[0].token_ids) == 4
 
 
-def test_each_prompt_may_have_its_own_sampling_params(smol, smol_hf, capsys):
+def test_each_prompt_may_have_its_own_sampling_params(smol, smol_hf):
     """vLLM's form: ``generate(prompts, [params, ...])``, one per prompt, each request served
     as it would be alone; a list of the wrong length or of other things is a clear error."""
     params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
@@ -363,17 +363,28 @@ def test_each_prompt_may_have_its_own_sampling_params(smol, smol_hf, capsys):
         assert_greedy_equal(smol_hf, smol, PROMPTS[i], together[i].token_ids, alone[i].token_ids)
     assert together[1].token_ids == alone[1].token_ids  # its own seed, whatever shares the batch
     assert together[2].finish_reason == alone[2].finish_reason
-    with_bar = smol.generate(PROMPTS[:3], params, use_tqdm=True)  # vLLM's keyword: a bar on stderr
-    assert capsys.readouterr().err.count("3/3") >= 1 and [o.token_ids for o in with_bar] == [
-        o.token_ids for o in together]
-    vllm_view = together[1].outputs  # vLLM's out.outputs[0].text runs unchanged
-    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in vllm_view] == [
-        (0, together[1].text, together[1].token_ids, together[1].finish_reason)]
     with pytest.raises(RequestError, match="2 given for 3 prompts"):
         smol.generate(PROMPTS[:3], params[:2])
     with pytest.raises(RequestError, match="a list of other things"):
         smol.generate(PROMPTS[:2], [params[0], {"max_tokens": 3}])
     assert not smol.engine.has_unfinished() and not smol.engine.requests
+
+
+def test_code_written_for_vllm_runs_unchanged(smol, capsys):
+    """vLLM's forms: prompts as ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``,
+    ``use_tqdm``, ``out.outputs[0]``, ``get_tokenizer()``; an unknown form is a clear error."""
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    plain = smol.generate(PROMPTS[:3], params)
+    vllm_prompts = [{"prompt": PROMPTS[0]}, {"prompt_token_ids": smol.encode(PROMPTS[1])}, PROMPTS[2]]
+    outs = smol.generate(vllm_prompts, params, use_tqdm=True)
+    assert "3/3" in capsys.readouterr().err  # the progress bar, on stderr
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.prompt for o in outs] == [PROMPTS[0], None, PROMPTS[2]]
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in outs[1].outputs] == [
+        (0, outs[1].text, outs[1].token_ids, outs[1].finish_reason)]
+    assert smol.get_tokenizer() is smol.tokenizer
+    with pytest.raises(RequestError, match="a prompt is a string, a list of token ids"):
+        smol.generate([{"text": "x"}], params)
 
 
 class _FaultyOracle:
