@@ -51,6 +51,8 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     """With ``SamplingParams.logprobs``: per generated token, {token id: log-probability}, the
     generated token first, then the most likely tokens at its position."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: the same per prompt token (None for the first)."""
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -234,7 +236,9 @@ class LLM:
                              prompt_token_ids=req.token_ids[:req.prompt_len], text=text,
                              token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
                              metrics=req.metrics,
-                             logprobs=None if req.sampling_params.logprobs is None else list(req.output_logprobs))
+                             logprobs=None if req.sampling_params.logprobs is None else list(req.output_logprobs),
+                             prompt_logprobs=None if req.sampling_params.prompt_logprobs is None
+                             else [None, *req.prompt_logprobs])
 
 
 def _text_message(index: int, message) -> dict:

@@ -19,7 +19,7 @@ MAX_CHOICES = 64
 #: Other values are refused (422), not ignored: the answer would not be what was asked for.
 UNSUPPORTED_FIELDS = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
                       "best_of": (1,), "tools": ([],), "response_format": ({"type": "text"},),
-                      "echo": (False,), "suffix": ("",)}
+                      "suffix": ("",)}
 
 
 class _SamplingFields(BaseModel):
@@ -49,9 +49,13 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top tokens a position (legacy form)
+    echo: bool = False  # the prompt before each choice's text (and its tokens' logprobs, if asked)
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @model_validator(mode="after")
     def _at_most_max_choices(self):
@@ -80,6 +84,9 @@ class ChatRequest(_SamplingFields):
     def logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def prompt_logprobs_asked(self) -> None:
+        return None
+
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
@@ -100,18 +107,19 @@ def sampling_params_of(body: CompletionRequest | ChatRequest, defaults: Sampling
     """The request's sampling parameters: the server's defaults with what the body sets."""
     given = {k: getattr(body, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                                            "repetition_penalty", "seed", "stop") if getattr(body, k) is not None}
-    return attrs.evolve(defaults, **given, logprobs=body.logprobs_asked())
+    return attrs.evolve(defaults, **given, logprobs=body.logprobs_asked(),
+                        prompt_logprobs=body.prompt_logprobs_asked())
 
 
 def logprobs_json(entries: list[dict[int, float]], num_top: int, chat: bool, decode, offset: int = 0) -> dict:
-    """Tokens' log-probabilities (``RequestOutput.logprobs`` entries) in OpenAI's form: chat's
-    ``content`` list, or the completions API's legacy columns with ``text_offset`` counted
-    from ``offset``."""
+    """Tokens' log-probabilities (``RequestOutput.logprobs`` entries; ``{token: None}`` for an
+    echoed prompt's first token, which nothing predicts) in OpenAI's form: chat's ``content``
+    list, or the completions API's legacy columns with ``text_offset`` counted from ``offset``."""
     rows = []
     for entry in entries:
         (token, logprob), *_ = entry.items()
-        top = sorted(entry.items(), key=lambda item: -item[1])[:num_top]
-        rows.append((decode([token]), logprob, [(decode([t]), v) for t, v in top]))
+        top = None if logprob is None else sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+        rows.append((decode([token]), logprob, top and [(decode([t]), v) for t, v in top]))
     if chat:
         def piece(text, logprob):
             return {"token": text, "logprob": logprob, "bytes": None if "\ufffd" in text else list(text.encode())}
@@ -122,7 +130,7 @@ def logprobs_json(entries: list[dict[int, float]], num_top: int, chat: bool, dec
         offsets.append(offset)
         offset += len(text)
     return {"tokens": [text for text, _, _ in rows], "token_logprobs": [logprob for _, logprob, _ in rows],
-            "top_logprobs": [dict(top) for _, _, top in rows], "text_offset": offsets}
+            "top_logprobs": [None if top is None else dict(top) for _, _, top in rows], "text_offset": offsets}
 
 
 def usage_json(finals: list, n: int) -> dict:

@@ -55,6 +55,8 @@ class SamplingParams:
             distribution: before temperature, top-k/p, min-p and the repetition penalty,
             as vLLM's default) with those of the ``logprobs`` most likely tokens at its
             position (0: the generated token's alone; at most 20); None: none.
+        prompt_logprobs: the same for every prompt token after the first (vLLM's name);
+            such a request does not reuse the prefix cache, since cached tokens are not run.
     """
 
     max_tokens: int = attrs.field(default=64, validator=_check_range(1, None))
@@ -68,6 +70,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     ignore_eos: bool = False
     logprobs: int | None = attrs.field(default=None, validator=_check_range(0, MAX_LOGPROBS))
+    prompt_logprobs: int | None = attrs.field(default=None, validator=_check_range(0, MAX_LOGPROBS))
 
     @property
     def greedy(self) -> bool:

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .api import LLM
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, Update
 from .errors import SpecdecError
 from .executor.metrics import RequestMetrics
 from .openai_protocol import (ChatRequest, CompletionRequest, logprobs_json, nth_sample, sampling_params_of,
@@ -200,9 +200,10 @@ def create_app(llm: LLM) -> FastAPI:
         return Response(stats.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def run(http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, n: int, chat: bool,
-                  stream: bool):
+                  stream: bool, echoes: list[str] | None = None):
         """One response: ``n`` choices of each prompt (OpenAI's order: prompt by prompt), each
-        choice a request of its own in the engine's batch."""
+        choice a request of its own in the engine's batch; ``echoes``: per prompt, the text put
+        before its choices' (the completions API's ``echo``), with its tokens' logprobs if asked."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -212,6 +213,13 @@ def create_app(llm: LLM) -> FastAPI:
         updates = _merged([engine.generate(ids, item_params) for ids, item_params in items])
         finals: dict[int, tuple] = {}  # choice index -> (request, its latest update)
         logprobs: list[list] = [[] for _ in items]  # per choice, its tokens' logprobs not yet sent
+        echoed = [echoes[i // n] if echoes else "" for i in range(len(items))]
+
+        def add_update(i, req, update):
+            if i not in finals and params.prompt_logprobs is not None:  # the prompt is scored once it has run
+                logprobs[i] += [{req.token_ids[0]: None}, *req.prompt_logprobs]
+            finals[i] = (req, update)
+            logprobs[i] += update.new_logprobs
 
         def take_logprobs(i, offset=0):
             """The logprobs JSON of choice ``i``'s tokens not sent yet (None if not asked)."""
@@ -230,8 +238,7 @@ def create_app(llm: LLM) -> FastAPI:
 
         if not stream:
             async for i, req, update in updates:
-                finals[i] = (req, update)
-                logprobs[i] += update.new_logprobs
+                add_update(i, req, update)
                 if update.finished:
                     finish(update, "error" if update.error else "ok")
                 elif await http.is_disconnected():
@@ -245,7 +252,7 @@ def create_app(llm: LLM) -> FastAPI:
             choices = []
             for i, (_req, update) in enumerate(results):
                 choice = ({"index": i, "message": {"role": "assistant", "content": update.text}} if chat
-                          else {"index": i, "text": update.text})
+                          else {"index": i, "text": echoed[i] + update.text})
                 choice["logprobs"] = take_logprobs(i)
                 choice["finish_reason"] = update.finish_reason
                 choices.append(choice)
@@ -264,8 +271,12 @@ def create_app(llm: LLM) -> FastAPI:
                     yield chunk(i, {"role": "assistant", "content": ""}, None)
             try:
                 async for i, req, update in updates:
-                    finals[i] = (req, update)
-                    logprobs[i] += update.new_logprobs
+                    if i not in finals and echoed[i]:
+                        add_update(i, req, Update([]))  # the prompt's logprobs alone, with the echoed text
+                        sent = take_logprobs(i)
+                        offsets[i] = len(echoed[i])
+                        yield chunk(i, echoed[i], None, logprobs=sent)
+                    add_update(i, req, update)
                     text = update.text
                     if len(text) > len(shown[i]) and not text.endswith("\ufffd"):
                         sent = take_logprobs(i, offsets[i])
@@ -288,7 +299,9 @@ def create_app(llm: LLM) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
         prompts = [llm.encode(prompt) for prompt in body.prompts()]
-        return await run(http, prompts, sampling_params_of(body, llm.config.sampling), body.n, False, body.stream)
+        echoes = [p if isinstance(p, str) else llm.decode(ids) for p, ids in zip(body.prompts(), prompts)]
+        return await run(http, prompts, sampling_params_of(body, llm.config.sampling), body.n, False, body.stream,
+                         echoes if body.echo else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, http: HTTPRequest):

@@ -550,3 +550,24 @@ def test_logprobs_are_the_targets_own_at_every_generated_token(smol_hf, method):
                 assert set(entry) == {token, *top.indices[:-1].tolist()}
             for t, value in entry.items():
                 assert value == pytest.approx(float(row[t]), abs=1e-4)
+
+
+def test_prompt_logprobs_score_every_prompt_token_across_chunks_and_the_prefix_cache(smol_hf):
+    """``SamplingParams.prompt_logprobs``: each prompt token after the first scored as the stock
+    model scores it, the prompt run in several chunks; a request asking it runs its whole
+    prompt even where the prefix cache holds it (cached tokens are not run)."""
+    llm = LLM(dtype="float32", engine={"max_num_tokens": 16, "enable_prefix_caching": True})
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    warm = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0))[0]
+    again = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0))[0]
+    scored = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))[0]
+    assert again.metrics.num_cached_prompt_tokens > 0 and scored.metrics.num_cached_prompt_tokens == 0
+    assert scored.token_ids == warm.token_ids and scored.logprobs is None
+    ids = scored.prompt_token_ids
+    assert len(ids) > 32 and scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(ids)
+    with torch.no_grad():
+        reference = torch.log_softmax(smol_hf(torch.tensor([ids])).logits[0], dim=-1)
+    for row, token, entry in zip(reference, ids[1:], scored.prompt_logprobs[1:]):
+        assert next(iter(entry)) == token and len(entry) in (2, 3)
+        for t, value in entry.items():
+            assert value == pytest.approx(float(row[t]), abs=1e-4)

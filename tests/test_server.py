@@ -167,7 +167,7 @@ def test_openai_fields_specdec_lacks_are_refused_not_ignored(server, smol):
     off = client.chat.completions.create(model="any", messages=messages, max_tokens=4, temperature=0,
                                          frequency_penalty=0, presence_penalty=0.0, logprobs=False, user="u1")
     assert off.choices[0].message.content == smol.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))[0].text
-    for field, value in (("best_of", 3), ("echo", True)):
+    for field, value in (("best_of", 3), ("suffix", "x")):
         r = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, field: value})
         assert r.status_code == 422 and field in r.json()["error"]["message"]
 
@@ -272,6 +272,34 @@ def test_logprobs_in_openai_form_streamed_or_not(server, smol):
     assert plain.choices[0].logprobs is None
     with pytest.raises(UnprocessableEntityError, match="top_logprobs needs logprobs"):
         client.chat.completions.create(model="any", messages=messages, max_tokens=4, top_logprobs=2)
+
+
+def test_echo_returns_the_prompt_with_its_tokens_scored(server, smol):
+    """The completions API's ``echo`` (what lm-eval's loglikelihood requests send, with
+    ``logprobs``): the prompt before the answer, its tokens scored as the target scores them
+    (the first one ``None``), streamed or not."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="unused")
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    offline = smol.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, prompt_logprobs=1))[0]
+    want = [None] + [e[t] for e, t in zip(offline.prompt_logprobs[1:], offline.prompt_token_ids[1:])] + [
+        e[t] for e, t in zip(offline.logprobs, offline.token_ids)]
+    done = client.completions.create(model="any", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    choice = done.choices[0]
+    assert choice.text == prompt + offline.text
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+    assert len(choice.logprobs.tokens) == len(offline.prompt_token_ids) + len(offline.token_ids)
+    text, streamed = "", []
+    for chunk in client.completions.create(model="any", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                           logprobs=1, stream=True):
+        text += chunk.choices[0].text
+        if chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert text == choice.text and streamed[0] is None and streamed[1:] == pytest.approx(want[1:], abs=1e-4)
+    bare = client.completions.create(model="any", prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert bare.choices[0].text == prompt + offline.text and bare.choices[0].logprobs is None
 
 
 def test_metrics_are_prometheus_exposition_with_histograms(server):

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 import attrs
 import pluggy
@@ -80,6 +81,8 @@ class _Item:
     tree_mask: torch.Tensor | None  # [T, T] among the new tokens (None: causal)
     logits_from: int = 0  # first row of this item in the step's logits
     num_logits: int = 0
+    prompt_rows: range = range(0)  # rows of a prefill chunk (from its first) whose prompt logprobs are asked
+    prompt_logits_from: int = 0  # their first row in the step's logits, after every item's own
     row_offset: int = 0  # first row of this item in the packed tokens
     proposal: DraftProposal | None = None
     is_prefill: bool = False
@@ -267,9 +270,13 @@ class Engine:
     def _prefill_item(self, req: Request, n: int) -> _Item:
         start = req.num_computed
         done = start + n == req.prefill_target
+        prompt_rows = range(0)
+        if req.sampling_params.prompt_logprobs is not None:  # positions whose next prompt token is not scored yet
+            prompt_rows = range(max(len(req.prompt_logprobs) - start, 0), max(min(n, req.prompt_len - 1 - start), 0))
         return _Item(request=req, tokens=req.token_ids[start:start + n], start=start,
                      positions=torch.arange(start, start + n), tree_mask=None,
-                     num_logits=1 if done and req.num_output_tokens == 0 else 0, is_prefill=True)
+                     num_logits=1 if done and req.num_output_tokens == 0 else 0, is_prefill=True,
+                     prompt_rows=prompt_rows)
 
     def _decode_items(self, reqs: list[Request], allowances: list[int], batch_size: int,
                       before_drafts: StepShape | None) -> tuple[list[_Item], float]:
@@ -387,6 +394,10 @@ class Engine:
             tokens.extend(it.tokens)
             rows.extend(range(row + n - it.num_logits, row + n))
             row += n
+        for it in items:
+            if it.prompt_rows:
+                it.prompt_logits_from = len(rows)
+                rows.extend(it.row_offset + r for r in it.prompt_rows)
         layout = AttentionLayout([SequenceSlice(block_table=it.request.block_table, start=it.start,
                                                 positions=it.positions, tree_mask=it.tree_mask) for it in items],
                                  self.kv.block_size, device)
@@ -418,6 +429,7 @@ class Engine:
         kept_slots = []  # their KV slots, where the hidden cache keeps their states
         prefixes = {}  # result index -> the prefix cache's stored states, put before its chunk's
         logprob_rows = {}  # result index -> the logits rows of its new tokens, where it asks their logprobs
+        prompt_asks = []  # (request, logits rows, the prompt tokens they predict) where prompt logprobs are asked
         keep_states = self.hidden_cache is not None
         for it in items:
             req = it.request
@@ -427,6 +439,10 @@ class Engine:
                     greedy[id(it)].tokens if id(it) in greedy else self._sample_first(req, it, logits))
                 if new and req.sampling_params.logprobs is not None:
                     logprob_rows[len(results)] = [it.logits_from]
+                if it.prompt_rows:
+                    first = it.start + it.prompt_rows.start + 1
+                    prompt_asks.append((req, range(it.prompt_logits_from, it.prompt_logits_from + len(it.prompt_rows)),
+                                        req.token_ids[first:first + len(it.prompt_rows)]))
                 start = it.start
                 kept_rows.append(range(it.row_offset, it.row_offset + len(it.tokens)))
                 if keep_states:
@@ -457,7 +473,13 @@ class Engine:
             self.kv.move(moves_src, moves_dst, self.target.device)
         if hidden:
             self._hand_over_hidden(results, hidden, kept_rows, kept_slots, prefixes)
-        logprobs = self._token_logprobs(results, logprob_rows, logits)
+        asks = [(rows, results[i].new_token_ids, results[i].request.sampling_params.logprobs)
+                for i, rows in logprob_rows.items()]
+        asks += [(rows, tokens, req.sampling_params.prompt_logprobs) for req, rows, tokens in prompt_asks]
+        answers = self._token_logprobs(asks, logits)
+        logprobs = dict(zip(logprob_rows, answers))
+        for (req, _, _), entries in zip(prompt_asks, answers[len(logprob_rows):]):
+            req.prompt_logprobs += entries
         outputs = []
         for i, res in enumerate(results):
             req = res.request
@@ -503,33 +525,32 @@ class Engine:
             first += n
 
     @staticmethod
-    def _token_logprobs(results: list[StepResult], rows: dict[int, list[int]], logits: torch.Tensor
-                        ) -> dict[int, list[dict[int, float]]]:
-        """For each result in ``rows``, one dict per new token: its log-probability under the
-        target's own distribution at the logits row it was chosen from (its first key), then
-        those of the ``SamplingParams.logprobs`` most likely tokens there. One log-softmax
-        over the rows of every such result in the step; a verified draft token's row is the
+    def _token_logprobs(asks: list[tuple[Sequence[int], list[int], int]], logits: torch.Tensor
+                        ) -> list[list[dict[int, float]]]:
+        """For each ask (logits rows, the token each row chose or predicts, how many top
+        tokens), one dict per token: its log-probability under the target's own distribution
+        at its row (its first key), then those of the most likely tokens there. One
+        log-softmax over every ask's rows in the step; a verified draft token's row is the
         row plain decoding would have read, so its figures are plain decoding's."""
-        if not rows:
-            return {}
-        flat = torch.tensor([r for result_rows in rows.values() for r in result_rows], device=logits.device)
+        if not asks:
+            return []
+        flat = torch.tensor([r for rows, _, _ in asks for r in rows], device=logits.device)
         logprobs = torch.log_softmax(logits.index_select(0, flat).float(), dim=-1)
-        tokens = torch.tensor([t for i in rows for t in results[i].new_token_ids], device=logits.device)
+        tokens = torch.tensor([t for _, ask_tokens, _ in asks for t in ask_tokens], device=logits.device)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        k = max(results[i].request.sampling_params.logprobs for i in rows)
+        k = max(num_top for _, _, num_top in asks)
         top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        out, row = {}, 0
-        for i in rows:
-            num_top = results[i].request.sampling_params.logprobs
+        out, row = [], 0
+        for _, ask_tokens, num_top in asks:
             entries = []
-            for token in results[i].new_token_ids:
+            for token in ask_tokens:
                 entry = {token: chosen[row]}
                 for top_id, value in zip(top_ids[row][:num_top], top_values[row][:num_top]):
                     entry.setdefault(top_id, value)
                 entries.append(entry)
                 row += 1
-            out[i] = entries
+            out.append(entries)
         return out
 
     def _probs(self, req: Request, logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:

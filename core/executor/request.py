@@ -51,6 +51,7 @@ class Request:
     last_warm_up: int = -1  # serial number of its last aux-only warm-up (the planner runs the oldest first)
     stop_text: str | None = None  # the output text cut before a stop string that ended it
     output_logprobs: list[dict[int, float]] = attrs.Factory(list)  # per output token, if asked (see SamplingParams)
+    prompt_logprobs: list[dict[int, float]] = attrs.Factory(list)  # per prompt token from the second, if asked
 
     @property
     def output_token_ids(self) -> list[int]:

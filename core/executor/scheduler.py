@@ -95,7 +95,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             req = self.waiting[0]
             if not req.block_table:
-                reused = req.num_from_prefix_cache = self.kv.attach_prefix(req)
+                # cached tokens are not run, so a request asking their logprobs runs them all
+                cacheable = req.sampling_params.prompt_logprobs is None
+                reused = req.num_from_prefix_cache = self.kv.attach_prefix(req) if cacheable else 0
                 if req.num_output_tokens == 0:
                     req.metrics.num_cached_prompt_tokens = reused
             if not req.is_prefilling and self.kv.can_reserve(req, 1):
