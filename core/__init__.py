@@ -9,5 +9,5 @@ from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "DecodingType", "DraftProposal", "Drafter", "RequestOutput", "SamplingParams", "StepResult",
-           "TargetModel", "TargetParts", "TreeMask", "hookimpl"]
+__all__ = ["LLM", "CompletionOutput", "DecodingType", "DraftProposal", "Drafter", "RequestOutput", "SamplingParams",
+           "StepResult", "TargetModel", "TargetParts", "TreeMask", "hookimpl"]
