@@ -135,11 +135,7 @@ class LLM:
         """The target's tokenizer (None for a model given without one), as vLLM's ``LLM`` has it."""
         return self.tokenizer
 
-    def encode(self, prompt: str | Sequence[int] | dict) -> list[int]:
-        """Token ids of a prompt: a string, token ids, or vLLM's ``{"prompt": str}`` /
-        ``{"prompt_token_ids": [...]}``."""
-        if isinstance(prompt, dict) and len(prompt) == 1 and ("prompt" in prompt or "prompt_token_ids" in prompt):
-            (prompt,) = prompt.values()
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer: give prompts as lists of token ids")
@@ -174,10 +170,11 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for one prompt or many (strings or token-id lists), batched continuously;
-        ``sampling_params`` is one for all prompts or, as in vLLM, a sequence of one per prompt;
-        ``use_tqdm`` shows finished requests on a progress bar (stderr)."""
-        prompts = self._as_list(prompts)
+        """Generate for one prompt or many (strings, token-id lists, or vLLM's prompt dicts),
+        batched continuously; ``sampling_params`` is one for all prompts or, as in vLLM, a
+        sequence of one per prompt; ``use_tqdm`` shows finished requests on a progress bar
+        (stderr)."""
+        prompts = [_unwrapped(p) for p in self._as_list(prompts)]
         params = self._params_per_prompt(sampling_params, len(prompts))
         encoded = [self.encode(p) for p in prompts]
         for ids, sp in zip(encoded, params):  # all first: a bad prompt must not leave the good ones queued
@@ -230,8 +227,6 @@ class LLM:
         if req.finish_reason == "error":
             raise RequestError(req.error or "the request failed")
         text = self.output_text(req)
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt")
         return RequestOutput(request_id=req.request_id, prompt=prompt if isinstance(prompt, str) else None,
                              prompt_token_ids=req.token_ids[:req.prompt_len], text=text,
                              token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
@@ -239,6 +234,14 @@ class LLM:
                              logprobs=None if req.sampling_params.logprobs is None else list(req.output_logprobs),
                              prompt_logprobs=None if req.sampling_params.prompt_logprobs is None
                              else [None, *req.prompt_logprobs])
+
+
+def _unwrapped(prompt):
+    """A prompt given in vLLM's forms, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``,
+    as the string or token ids it holds; any other prompt as it is."""
+    if isinstance(prompt, dict) and len(prompt) == 1 and ("prompt" in prompt or "prompt_token_ids" in prompt):
+        (prompt,) = prompt.values()
+    return prompt
 
 
 def _text_message(index: int, message) -> dict:
@@ -260,4 +263,3 @@ def _text_message(index: int, message) -> dict:
                            f"got {type(content).__name__}")
     role = "system" if message["role"] == "developer" else message["role"]
     return {**message, "role": role, "content": content}
-

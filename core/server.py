@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .api import LLM
-from .async_engine import AsyncEngine, Update
+from .async_engine import AsyncEngine
 from .errors import SpecdecError
 from .executor.metrics import RequestMetrics
 from .openai_protocol import (ChatRequest, CompletionRequest, logprobs_json, nth_sample, sampling_params_of,
@@ -271,13 +271,8 @@ def create_app(llm: LLM) -> FastAPI:
                     yield chunk(i, {"role": "assistant", "content": ""}, None)
             try:
                 async for i, req, update in updates:
-                    if i not in finals and echoed[i]:
-                        add_update(i, req, Update([]))  # the prompt's logprobs alone, with the echoed text
-                        sent = take_logprobs(i)
-                        offsets[i] = len(echoed[i])
-                        yield chunk(i, echoed[i], None, logprobs=sent)
                     add_update(i, req, update)
-                    text = update.text
+                    text = echoed[i] + update.text
                     if len(text) > len(shown[i]) and not text.endswith("\ufffd"):
                         sent = take_logprobs(i, offsets[i])
                         offsets[i] += sum(len(t) for t in sent["tokens"]) if sent and not chat else 0
