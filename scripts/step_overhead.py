@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ab_planner import add_prompt_options, conversations_of
+from ab_planner import conversations_of
 from specdec import LLM, SamplingParams
 from specdec.bench import WARMUP
 
