@@ -44,7 +44,7 @@ def set_planner_attributes(llm: LLM, settings: dict[str, float]) -> None:
 
 
 def add_prompt_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("method", help="a decoding type")
+    """The prompt set's options (the script adds what it runs: a method, or several)."""
     p.add_argument("--dataset", help="a JSONL prompt set (default: the built-in categories)")
     p.add_argument("--categories", nargs="+", help="built-in categories (default: all)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -62,6 +62,7 @@ def conversations_of(args: argparse.Namespace) -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("method", help="a decoding type")
     add_prompt_options(p)
     p.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                    help="planner attributes of one engine of the method (repeatable; none: the defaults)")

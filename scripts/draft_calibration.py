@@ -29,6 +29,7 @@ from specdec.bench import WARMUP
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("method", help="a decoding type")
     add_prompt_options(p)
     p.add_argument("--set", default="", metavar="NAME=VALUE[,NAME=VALUE]", help="planner attributes")
     p.add_argument("--show-deep", type=int, metavar="N", help="list the estimates of the others' drafts of depth >= N")

@@ -1,7 +1,7 @@
 """Where a step's time goes outside the target forward: plain decoding and methods, side by side.
 
-    .venv/bin/python scripts/step_overhead.py ngram eagle3 mtp [--dataset benchmarks/diverse.jsonl]
-        [--batch-size 8] [--max-tokens 96] [--threads 2] [--repetitions 1]
+    .venv/bin/python scripts/step_overhead.py ngram eagle3 mtp [--dataset benchmarks/diverse.jsonl |
+        --categories chat math_reasoning] [--batch-size 8] [--max-tokens 96] [--threads 2] [--repetitions 1]
 
 Runs the prompt set in batches (greedy, bfloat16) on plain decoding and on each method's
 engine, the systems one after another per repetition, and times the engine's parts by
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ab_planner import conversations_of
+from ab_planner import add_prompt_options, conversations_of
 from specdec import LLM, SamplingParams
 from specdec.bench import WARMUP
 
@@ -49,15 +49,9 @@ def timed(obj, name: str, seconds: collections.Counter, calls: collections.Count
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("methods", nargs="+", help="decoding types")
-    p.add_argument("--dataset", default="benchmarks/diverse.jsonl")
-    p.add_argument("--categories", nargs="+", help="built-in categories instead of --dataset")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--threads", type=int, default=2)
+    add_prompt_options(p)
     p.add_argument("--repetitions", type=int, default=1)
     args = p.parse_args()
-    if args.categories:
-        args.dataset = None
     torch.set_num_threads(args.threads)
     conversations = conversations_of(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
