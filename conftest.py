@@ -15,6 +15,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("--cuda-graphs"):
         return
     import attrs
+
     from specdec.errors import ConfigError
     from specdec.executor import engine
 

@@ -2,10 +2,10 @@
 
 from .api import LLM, CompletionOutput, RequestOutput
 from .drafting import Drafter, DraftProposal, StepResult, TreeMask
-from .executor.model_runner import TargetModel, TargetParts
 from .hookspecs import hookimpl
 from .plugins import DecodingType
 from .sampling_params import SamplingParams
+from .target_model import TargetModel, TargetParts
 
 __version__ = "0.1.0"
 

@@ -10,16 +10,16 @@ import attrs
 import torch
 from tqdm import tqdm
 
-from .config import EngineConfig, SpecdecConfig, config_from_dict, load_config, merge_overrides, unstructure
+from .config import EngineConfig, SpecdecConfig
+from .config_loading import config_from_dict, load_config, merge_overrides, unstructure
 from .errors import ModelLoadError, RequestError
 from .executor.engine import Engine
 from .executor.metrics import RequestMetrics
-from .executor.model_runner import TargetModel
 from .kernels import prepack_linears
-from .models import gguf_file, load_causal_lm, load_tokenizer, model_display_name, resolve_model_dir
-from .quantization import quantize_target
+from .models import gguf_file, load_causal_lm, load_tokenizer, model_display_name, quantize_target, resolve_model_dir
 from .plugins import drafter_plugin_manager, get_registry
 from .sampling_params import SamplingParams
+from .target_model import TargetModel
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ import torch
 import yaml
 
 from .api import LLM
-from .config import SpecdecConfig, config_from_dict, load_config, unstructure
+from .config import SpecdecConfig
+from .config_loading import config_from_dict, load_config, unstructure
 from .executor.metrics import RequestMetrics
 from .models import gguf_file
 from .prompt_sets import PROMPTS, load_jsonl, messages
 from .sampling_params import SamplingParams
-
 
 #: The warm-up request of every method: outside every measured set, so no drafter starts
 #: a measurement knowing its answer.

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from .config import QUANTIZATIONS, SpecdecConfig, config_from_dict, load_config, merge_overrides, unstructure
+from .config import QUANTIZATIONS, SpecdecConfig
+from .config_loading import config_from_dict, load_config, merge_overrides, unstructure
 from .errors import SpecdecError
 from .plugins import get_registry
 

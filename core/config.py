@@ -1,23 +1,17 @@
-"""Configuration: frozen attrs classes, built from YAML or dicts by a strict cattrs converter.
+"""Configuration: frozen attrs classes that validate every field as it is set.
 
-Every error names the path of the bad field (``speculative_config.max_draft_lenn``) and
-what to do about it. ``speculative_config`` is structured into the config class that the
-plugin providing its ``decoding_type`` registered, so each method validates its own options.
+Each method's plugin subclasses :class:`SpeculativeConfig` with its own options;
+:mod:`specdec.config_loading` builds these classes from YAML or dicts.
 """
 
 from __future__ import annotations
 
 import difflib
-import os
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
-import cattrs
-import yaml
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
-from .errors import ConfigError, FieldError, PluginError
+from .errors import FieldError
 from .sampling_params import SamplingParams
 from .tree import StaticTree
 
@@ -42,12 +36,12 @@ def one_of(*choices: str):
     def check(inst, attribute, value):
         if value not in choices:
             raise FieldError(attribute.name, f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
-                             + _suggest(str(value), choices))
+                             + suggest_close(str(value), choices))
 
     return check
 
 
-def _suggest(word: str, candidates) -> str:
+def suggest_close(word: str, candidates) -> str:
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
 
@@ -199,7 +193,7 @@ class TreeDraftConfig(SpeculativeConfig):
         return self.max_draft_len
 
 
-def _bool_or_auto(value, _type=None) -> bool | str:
+def bool_or_auto(value, _type=None) -> bool | str:
     """``true``, ``false`` or ``auto`` (an option whose default the engine decides)."""
     if not isinstance(value, bool) and value != "auto":
         raise TypeError(f"expected true, false or auto, got {value!r}")
@@ -208,7 +202,7 @@ def _bool_or_auto(value, _type=None) -> bool | str:
 
 def _check_bool_or_auto(inst, attribute, value) -> None:
     try:
-        _bool_or_auto(value)
+        bool_or_auto(value)
     except TypeError as exc:
         raise FieldError(attribute.name, str(exc)) from None
 
@@ -236,36 +230,27 @@ class EngineConfig:
         batch_invariant: compute every token so that its result depends on its own sequence
             only, not on the drafts or requests sharing the forward: greedy output is then
             bit-identical between plain and speculative decoding, alone and batched, in
-            bfloat16 too (:mod:`specdec.kernels.invariant`). ``auto`` (the default) turns it on
-            where it was measured to cost nothing: a bfloat16 CPU target, not compiled or
-            quantized, whose attention specdec's C++ kernel takes and whose every product
-            runs on the linear kernel (CPUs without bfloat16 instructions) or on oneDNN's
-            products with at most its rows padded (CPUs with them)
-            (:func:`specdec.kernels.invariant.mode_costs_nothing`). Plain decoding ran 1.04x
-            and 1.08x of its stock-numerics speed at batch 1 and 8 on an AVX2 EPYC, 0.97x and
-            1.03x on an AVX-512 BF16 Xeon. Off elsewhere (float32, CUDA, where the cost is not
-            measured with the kernels; BENCHMARKS.md "Bit-exact bfloat16"). ``true`` or
-            ``false`` decides it.
+            bfloat16 too (:mod:`specdec.kernels.invariant`). ``auto`` (the default) turns it
+            on where it costs nothing: a bfloat16 CPU target, neither compiled nor quantized,
+            whose layers specdec's CPU kernels take
+            (:func:`specdec.kernels.invariant.mode_costs_nothing`). ``true`` or ``false``
+            decides it.
         quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels
             (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
             None keeps the model's weights in ``dtype``. The quantized model is the target:
             speculative output equals its own plain output.
         prepack_weights: bfloat16 linear layers on CPU multiply by weights reordered once
             into oneDNN's layout instead of at every call (:mod:`specdec.kernels.prepacked`):
-            bit-identical results, 1.2-2.4x faster products, one more copy of those weights
-            in memory (the originals stay for drafters). On a CPU without bfloat16
-            instructions, where oneDNN refuses the reorder, they run specdec's linear kernel
-            instead (:func:`specdec.kernels.cpu.kernel_linear`: no copy, rounding like
-            ``F.linear``'s but not its bits, a 16-token step 2.5x cheaper). No effect on
-            other dtypes and devices.
+            bit-identical results, faster products, one more copy of those weights in
+            memory. On a CPU without bfloat16 instructions, where oneDNN refuses the
+            reorder, they run specdec's linear kernel instead
+            (:func:`specdec.kernels.cpu.kernel_linear`). No effect on other dtypes and devices.
         compile: run the target's forward through ``torch.compile`` (inductor; on the CPU
-            with frozen weights, which inductor packs itself, so ``prepack_weights`` does not
-            apply): the work between the matrix products is fused. Three graphs are compiled
-            when the engine starts (about 2 minutes for the embedded model on a 2-core
-            CPU); then a decode step costs 18-55% less, plain decoding ran 1.23x faster in
-            bfloat16 and 1.36x in int4, for +374 MiB of memory (BENCHMARKS.md, "Compiled
-            target forward"). Not with ``batch_invariant: true`` (``auto`` is then off). Off by
-            default.
+            with frozen weights, so ``prepack_weights`` does not apply): the work between
+            the matrix products is fused. Three graphs are compiled when the engine starts
+            (minutes on a small CPU), then each step costs less and memory grows
+            (Performance: "Compiled target forward"). Not with ``batch_invariant: true``
+            (``auto`` is then off). Off by default.
         cuda_graphs: on a CUDA target, replay captured CUDA graphs of the forward for steps
             of up to 512 tokens (decodes, draft chains and trees; prompt chunks up to 64
             tokens), padded into buckets of sequences and tokens
@@ -313,7 +298,15 @@ def _graphs_alone(engine: EngineConfig, cuda_graphs: bool) -> None:
 class SpecdecConfig:
     """The whole configuration, as one YAML file holds it.
 
-    ``model: null`` means the embedded default model (SmolLM2-135M-Instruct).
+    Attributes:
+        model: a local transformers model directory or ``.gguf`` file; ``null``: the
+            embedded default model (SmolLM2-135M-Instruct).
+        tokenizer: where the tokenizer lives, if not beside the model.
+        dtype: the target's weights and activations; ``auto``: bfloat16.
+        device: ``cpu``, ``cuda`` or ``auto`` (CUDA where available).
+        speculative_config: the drafting method and its options; ``null``: no speculation.
+        sampling: the default sampling parameters of requests that give none.
+        engine: batching, KV cache, numerics and compilation.
     """
 
     model: str | None = None
@@ -323,212 +316,3 @@ class SpecdecConfig:
     speculative_config: SpeculativeConfig | None = None
     sampling: SamplingParams = attrs.Factory(SamplingParams)
     engine: EngineConfig = attrs.Factory(EngineConfig)
-
-
-# -- the strict converter -------------------------------------------------------------
-
-def _strict_int(value, _type):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"expected an integer, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _strict_float(value, _type):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"expected a number, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
-def _strict_bool(value, _type):
-    if not isinstance(value, bool):
-        raise TypeError(f"expected true or false, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _strict_str(value, _type):
-    """A string; a path object (``pathlib.Path``) from the Python API becomes its string."""
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def _str_or_strings(value, _type):
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise TypeError(f"expected a string or a list of strings, got {value!r}")
-    return tuple(value)
-
-
-def _make_converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True,
-                            unstruct_collection_overrides={tuple: list})
-    conv.register_structure_hook(int, _strict_int)
-    conv.register_structure_hook(float, _strict_float)
-    conv.register_structure_hook(bool, _strict_bool)
-    conv.register_structure_hook(str, _strict_str)
-    conv.register_structure_hook_func(lambda t: t == tuple[str, ...], _str_or_strings)
-    conv.register_structure_hook_func(lambda t: t == bool | str, _bool_or_auto)
-    conv.register_structure_hook_func(lambda t: t is SpeculativeConfig, _structure_speculative)
-    # A plugin's config unstructures with all its own fields, not just the base class's.
-    conv.register_unstructure_hook_func(lambda t: t is SpeculativeConfig,
-                                        lambda obj: conv.unstructure(obj, unstructure_as=type(obj)))
-    return conv
-
-
-def _structure_speculative(value, _type) -> SpeculativeConfig:
-    from .plugins import get_registry
-
-    if isinstance(value, SpeculativeConfig):
-        return value
-    if not isinstance(value, dict):
-        raise ConfigError(f"speculative_config: expected a mapping, got {value!r}")
-    if "decoding_type" not in value:
-        raise ConfigError("speculative_config.decoding_type: missing; name the method, "
-                          f"one of: {', '.join(get_registry().names())}")
-    entry = get_registry().resolve(value["decoding_type"])
-    data = dict(value, decoding_type=entry.name)
-    if "speculative_model_dir" in data and "speculative_model" in _fields_of(entry.config_class):
-        if "speculative_model" in data:
-            raise ConfigError("speculative_config: give speculative_model or its alias speculative_model_dir, "
-                              "not both")
-        data["speculative_model"] = data.pop("speculative_model_dir")
-    try:
-        return converter.structure(data, entry.config_class)
-    except ConfigError:
-        raise
-    except Exception as exc:  # cattrs' exception groups: flatten into one message
-        raise ConfigError(format_structure_error(exc, "speculative_config")) from None
-
-
-converter = _make_converter()
-
-
-def _fields_of(cl) -> list[str]:
-    try:
-        return [a.name for a in attrs.fields(cl)]
-    except Exception:
-        return []
-
-
-def _walk(exc: BaseException, path: str):
-    """Yield ``(path, message)`` for each leaf error in a cattrs exception tree."""
-    if isinstance(exc, ForbiddenExtraKeysError):
-        for key in sorted(exc.extra_fields):
-            yield f"{path}.{key}" if path else key, "unknown key" + _suggest(key, _fields_of(exc.cl))
-        return
-    if isinstance(exc, (ClassValidationError, IterableValidationError)):
-        for sub in exc.exceptions:
-            sub_path = path
-            for note in getattr(sub, "__notes__", []):
-                name = getattr(note, "name", None)
-                if name is None:
-                    name = getattr(note, "index", None)
-                if name is not None:
-                    sub_path = f"{path}.{name}" if path else str(name)
-                    break
-            yield from _walk(sub, sub_path)
-        return
-    if isinstance(exc, FieldError):
-        yield f"{path}.{exc.field}" if path else exc.field, exc.message
-        return
-    if isinstance(exc, ConfigError):
-        yield "", str(exc)
-        return
-    if isinstance(exc, KeyError):
-        yield path, "missing required value"
-        return
-    yield path, str(exc)
-
-
-def format_structure_error(exc: BaseException, path: str = "") -> str:
-    lines = [f"{p}: {m}" if p else m for p, m in _walk(exc, path)]
-    return "\n".join(lines) if lines else str(exc)
-
-
-def _plugin_error_in(exc: BaseException) -> PluginError | None:
-    if isinstance(exc, PluginError):
-        return exc
-    for sub in getattr(exc, "exceptions", ()):
-        found = _plugin_error_in(sub)
-        if found is not None:
-            return found
-    return None
-
-
-def structure(data: Any, cl: type, path: str = ""):
-    """Build ``cl`` from plain data; any problem becomes one ConfigError naming the paths.
-
-    An unknown or missing decoding type is raised as the PluginError it is.
-    """
-    try:
-        return converter.structure(data, cl)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        plugin_error = _plugin_error_in(exc)
-        if plugin_error is not None:
-            raise plugin_error from None
-        raise ConfigError(format_structure_error(exc, path)) from None
-
-
-def unstructure(obj) -> Any:
-    return converter.unstructure(obj)
-
-
-def _check_top_level(data: Any, where: str) -> dict:
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: the top level must be a mapping, got {type(data).__name__}")
-    return data
-
-
-def config_from_dict(data: dict | None) -> SpecdecConfig:
-    return structure(_check_top_level(data, "config"), SpecdecConfig)
-
-
-def load_config(path: str | os.PathLike) -> SpecdecConfig:
-    """Read and validate a YAML config file. Relative model paths resolve against the file."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    cfg = structure(_check_top_level(data, str(path)), SpecdecConfig)
-    return _resolve_paths(cfg, path.parent)
-
-
-def _resolve_paths(cfg: SpecdecConfig, base: Path) -> SpecdecConfig:
-    def fix(p):
-        if p and not os.path.isabs(p) and (p.startswith(".") or (base / p).exists()):
-            return str((base / p).resolve())
-        return p
-
-    changes = {"model": fix(cfg.model), "tokenizer": fix(cfg.tokenizer)}
-    spec = cfg.speculative_config
-    if spec is not None and isinstance(getattr(spec, "speculative_model", None), str):
-        changes["speculative_config"] = attrs.evolve(spec, speculative_model=fix(spec.speculative_model))
-    return attrs.evolve(cfg, **changes)
-
-
-def merge_overrides(cfg: SpecdecConfig, overrides: dict) -> SpecdecConfig:
-    """Apply dotted-path overrides (``{"engine.max_batch_size": 4}``) such as CLI flags give."""
-    data = unstructure(cfg)
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            if node.get(key) is None:
-                node[key] = {}
-            node = node[key]
-        node[leaf] = value
-    return config_from_dict(data)

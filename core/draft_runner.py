@@ -30,10 +30,11 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from .executor.model_runner import ATTENTION_NAME, ForwardMetadata, paged_attention_forward, probe_kv_shapes
+from .drafting import node_depths
 from .kernels import AttentionLayout, SequenceSlice
 from .kvcache import KVCacheManager, NoFreeBlocks, PagedKVCache
-from .tree import ancestor_mask, node_depths
+from .target_model import ATTENTION_NAME, ForwardMetadata, paged_attention_forward, probe_kv_shapes
+from .tree import ancestor_mask
 
 DraftForward = Callable[..., torch.Tensor]
 

@@ -15,8 +15,8 @@ import torch
 
 if TYPE_CHECKING:
     from .config import SpeculativeConfig
-    from .executor.model_runner import TargetModel
     from .executor.request import Request
+    from .target_model import TargetModel
 
 #: How the children of one tree node were drawn from the draft distribution ``q``.
 #: ``deterministic``: chosen without randomness (argmax, top-k, n-gram lookup);
@@ -32,6 +32,14 @@ SiblingSampling = Literal["deterministic", "iid", "without_replacement"]
 #: path of first children (:func:`first_child_path`), and verifying the tree also tells
 #: how far the chain would have been accepted.
 TREE_KIND = "tree"
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """Depth of each node of a tree given by its ``parents`` (-1: the root): 1 for children of the root."""
+    d: list[int] = []
+    for p in parents:
+        d.append(1 if p < 0 else d[p] + 1)
+    return d
 
 
 def first_child_path(parents: list[int]) -> list[int]:
@@ -118,8 +126,6 @@ class DraftProposal:
 
     def depths(self) -> list[int]:
         """Depth of each node: 1 for children of the root."""
-        from .tree import node_depths
-
         return node_depths(self.parents)
 
 
@@ -217,7 +223,7 @@ class Drafter:
     """Base class for drafting methods. Subclasses implement hooks with ``@hookimpl``.
 
     ``Drafter(config, target)``: ``config`` is the method's own config class instance,
-    ``target`` the :class:`~specdec.executor.model_runner.TargetModel` it drafts for.
+    ``target`` the :class:`~specdec.target_model.TargetModel` it drafts for.
     """
 
     def __init__(self, config: SpeculativeConfig, target: TargetModel):

@@ -25,9 +25,9 @@ import pluggy
 
 if TYPE_CHECKING:
     from .drafting import DraftProposal, StepResult, TreeMask
-    from .executor.model_runner import TargetModel
     from .executor.request import Request
     from .plugins import DecodingType
+    from .target_model import TargetModel
 
 PROJECT_NAME = "specdec"
 

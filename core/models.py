@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from .errors import ModelLoadError
+from .gguf_blocks import quantized_layers
+from .quantization import check_supported, quantize_model, release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +139,52 @@ def model_display_name(model: str | None, path: Path) -> str:
         return json.loads((path / "config.json").read_text()).get("_name_or_path") or str(model)
     except Exception:
         return str(model)
+
+
+def quantize_target(path: Path, mode: str, dtype: torch.dtype, device: torch.device, gguf: Path | None = None):
+    """Load the transformers model in ``path`` quantized; a GGUF source's Q4_0/Q4_1 linear
+    blocks become its int4 layers as they are, and its embedding is read from the file
+    (:func:`~specdec.gguf_blocks.quantized_layers`).
+
+    Where the safetensors files hold every parameter under the model's own names, the
+    model is built without weights and each layer is read and quantized in turn, so the
+    full-precision model never sits in memory; otherwise it is loaded in ``dtype`` first.
+    """
+    check_supported(mode, device, dtype)
+    model, read = _empty_model(path, dtype)
+    if model is None:
+        model, read = load_causal_lm(path, dtype, device), None
+    blocks = quantized_layers(gguf, model.config, dtype) if mode == "int4" and gguf is not None else {}
+    quantize_model(model, mode, dtype, blocks, read)
+    release_freed_memory()
+    return model.eval()
+
+
+def _empty_model(path: Path, dtype: torch.dtype):
+    """``(model without weights, read(tensor) -> its weights)``, or ``(None, None)`` when the
+    files' tensor names are not the model's own (renamed or fused at load by transformers)."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    handles = {}
+    for file in sorted(path.glob("*.safetensors")):
+        handle = safe_open(str(file), "pt")
+        handles.update(dict.fromkeys(handle.keys(), handle))
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    names = {id(p): n for n, p in model.named_parameters()}
+    if not handles or not set(names.values()) <= handles.keys():
+        return None, None
+    if (path / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+
+    def read(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_meta:
+            return tensor
+        name = names[id(tensor)]
+        return handles[name].get_tensor(name)
+
+    return model, read

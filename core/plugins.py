@@ -21,7 +21,9 @@ from stevedore import ExtensionManager, NamedExtensionManager
 
 from . import hookspecs
 from .config import SpeculativeConfig
+from .drafting import DraftProposal, TreeMask
 from .errors import PluginError
+from .tree import default_tree_mask
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +222,16 @@ def reset_registry() -> None:
     _registry = None
 
 
+class CoreTreeHooks:
+    """The core's own implementation of ``build_tree_mask``; drafters may override it."""
+
+    @hookspecs.hookimpl(trylast=True)
+    def build_tree_mask(self, request, proposal: DraftProposal) -> TreeMask:
+        return default_tree_mask(proposal)
+
+
 def drafter_plugin_manager(drafter: object, name: str) -> pluggy.PluginManager:
     """A plugin manager for one engine: the core's default hooks plus this drafter."""
-    from .tree import CoreTreeHooks
-
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     pm.register(CoreTreeHooks(), name="specdec-core")

@@ -13,7 +13,8 @@ import contextlib
 import time
 import uuid
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -21,8 +22,15 @@ from .api import LLM
 from .async_engine import AsyncEngine
 from .errors import SpecdecError
 from .executor.metrics import RequestMetrics
-from .openai_protocol import (ChatRequest, CompletionRequest, logprobs_json, nth_sample, sampling_params_of,
-                              sse_chunk, usage_json)
+from .openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    logprobs_json,
+    nth_sample,
+    sampling_params_of,
+    sse_chunk,
+    usage_json,
+)
 from .sampling_params import SamplingParams
 
 

@@ -30,7 +30,8 @@ import attrs
 import torch
 
 from . import hookspecs
-from .config import SpeculativeConfig, structure, unstructure
+from .config import SpeculativeConfig
+from .config_loading import structure, unstructure
 from .plugins import DecodingType, get_registry, hook_names
 from .sampling_params import SamplingParams
 
@@ -301,7 +302,7 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     from transformers import AutoModelForCausalLM
 
     from .api import LLM
-    from .quantization import quantize_target
+    from .models import quantize_target
     from .sampler import probs_from_logits
 
     params = params or SamplingParams(temperature=1.0, top_k=5)

@@ -1,5 +1,5 @@
-"""Draft trees: ancestor masks and positions, the core's default ``build_tree_mask``, and the
-tree builders every tree-drafting method shares.
+"""Draft trees: ancestor masks and positions, the default verification mask, and the tree
+builders every tree-drafting method shares.
 
 * :class:`StaticTree`: a fixed tree from a TensorRT-LLM / Medusa choice list
   (``medusa_choices``, ``eagle_choices``); its mask is built once and cached.
@@ -17,7 +17,6 @@ import torch
 
 from .drafting import DraftProposal, TreeMask
 from .errors import FieldError
-from .hookspecs import hookimpl
 from .kernels.layout import causal_mask
 
 
@@ -33,14 +32,6 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
             mask[row] = mask[p + 1]
         mask[row, row] = True
     return mask
-
-
-def node_depths(parents: list[int]) -> list[int]:
-    """Depth of each node: 1 for children of the root."""
-    d: list[int] = []
-    for p in parents:
-        d.append(1 if p < 0 else d[p] + 1)
-    return d
 
 
 def default_tree_mask(proposal: DraftProposal) -> TreeMask:
@@ -60,14 +51,6 @@ def default_tree_mask(proposal: DraftProposal) -> TreeMask:
 def _cached_mask(parents: tuple[int, ...]) -> torch.Tensor:
     """Static trees recur every step: their masks are built once (callers must not modify them)."""
     return ancestor_mask(list(parents))
-
-
-class CoreTreeHooks:
-    """The core's own implementation of ``build_tree_mask``; drafters may override it."""
-
-    @hookimpl(trylast=True)
-    def build_tree_mask(self, request, proposal: DraftProposal) -> TreeMask:
-        return default_tree_mask(proposal)
 
 
 # -- static trees from choice lists -------------------------------------------------------

@@ -35,7 +35,7 @@ run)
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__)"
     python3 -m pytest -q -p no:cacheprovider -n 8 -rfE --tb=short tests/test_cuda_graphs.py tests/test_kernels.py \
-        tests/test_draft_runner.py tests/test_model_runner.py > "$OUT/targeted.log" 2>&1
+        tests/test_draft_runner.py tests/test_target_model.py > "$OUT/targeted.log" 2>&1
     grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/targeted.log" | cut -c1-240
     echo "== targeted tests done at ${SECONDS}s"
     if [ "${TIMINGS:-1}" = 1 ]; then

@@ -102,7 +102,7 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def hf_generate(model, ids: list[list[int]], new: int) -> float:
-    from specdec.executor.model_runner import ATTENTION_NAME
+    from specdec.target_model import ATTENTION_NAME
 
     model.set_attn_implementation("sdpa")
     try:
@@ -165,9 +165,9 @@ def step_runner(target, batch: int, context: int, tree: bool, block_size: int = 
     """One forward of ``batch`` requests, each with ``context`` cached tokens and 1 new token
     (decode) or a 16-node tree (verification); through CUDA graphs if ``graphs``."""
     from specdec.executor.cuda_graphs import CudaGraphs
-    from specdec.executor.model_runner import ForwardMetadata
     from specdec.kernels import AttentionLayout, SequenceSlice
     from specdec.kvcache import PagedKVCache
+    from specdec.target_model import ForwardMetadata
     from specdec.tree import ancestor_mask, node_depths
 
     per_seq = context // block_size + 2

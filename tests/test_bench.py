@@ -71,7 +71,7 @@ def test_a_repetition_frees_the_engines_of_the_one_before(tmp_path, monkeypatch)
     import weakref
 
     from specdec import bench
-    from specdec.config import config_from_dict
+    from specdec.config_loading import config_from_dict
 
     alive, seen = weakref.WeakSet(), []
 
@@ -92,7 +92,7 @@ def test_a_repetition_frees_the_engines_of_the_one_before(tmp_path, monkeypatch)
 
 def test_systems_take_turns_batch_by_batch_in_a_rotating_order(tmp_path, monkeypatch):
     from specdec import bench
-    from specdec.config import config_from_dict
+    from specdec.config_loading import config_from_dict
 
     calls = []
     run_llm = bench.run_llm
@@ -125,7 +125,7 @@ def test_concurrent_requests_are_distinct():
 
 def test_a_method_file_sets_engine_options_over_the_runs_own(tmp_path):
     from specdec.bench import method_config
-    from specdec.config import config_from_dict
+    from specdec.config_loading import config_from_dict
 
     base = config_from_dict({"engine": {"max_batch_size": 4, "batch_invariant": False}})
     path = tmp_path / "ngram_invariant.yaml"

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 
-
 def specdec(*args, input=None):
     return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
                           input=input, timeout=600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

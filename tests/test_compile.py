@@ -8,10 +8,10 @@ from torch._dynamo.utils import counters
 
 from specdec import LLM, SamplingParams, testing
 from specdec.errors import ConfigError
-from specdec.executor.model_runner import ForwardMetadata, TargetModel
 from specdec.kernels import AttentionLayout, SequenceSlice
 from specdec.kvcache import PagedKVCache
 from specdec.models import load_causal_lm
+from specdec.target_model import ForwardMetadata, TargetModel
 
 
 def _forwards(target: TargetModel) -> list[tuple[torch.Tensor, dict]]:

@@ -3,7 +3,8 @@
 import pytest
 
 from specdec import LLM, SamplingParams
-from specdec.config import EngineConfig, SpecdecConfig, config_from_dict, load_config, merge_overrides
+from specdec.config import EngineConfig, SpecdecConfig
+from specdec.config_loading import config_from_dict, load_config, merge_overrides
 from specdec.errors import ConfigError, PluginError
 
 

@@ -4,13 +4,14 @@ against the eager forward's, and greedy output, plain and with drafts, equal to 
 
 import pytest
 import torch
+
 from specdec import LLM, SamplingParams, testing
 from specdec.errors import ConfigError
 from specdec.executor.cuda_graphs import CudaGraphs, batch_buckets, pad_step
-from specdec.executor.model_runner import ForwardMetadata, TargetModel
 from specdec.kernels import AttentionLayout, SequenceSlice
 from specdec.kvcache import PagedKVCache
 from specdec.models import load_causal_lm
+from specdec.target_model import ForwardMetadata, TargetModel
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 

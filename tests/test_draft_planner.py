@@ -174,7 +174,8 @@ def test_cost_model_keeps_a_token_price_while_every_step_had_the_same_tokens():
 
 def test_attention_work_counts_the_padded_groups_the_torch_attention_runs():
     from specdec.executor.draft_planner import StepShape, attention_work
-    from specdec.kernels.layout import GROUP_PAIRS, KEY_GATHER_PAIRS as G
+    from specdec.kernels.layout import GROUP_PAIRS
+    from specdec.kernels.layout import KEY_GATHER_PAIRS as G
 
     batch = StepShape([(300, 1)] * 8, padded=True)
     assert batch.work == pytest.approx((GROUP_PAIRS + 8 * 301 * (1 + G)) / 1000)
@@ -261,7 +262,7 @@ def test_a_requests_estimate_leans_on_the_engine_wide_one_as_the_planner_says():
     rates = {}
     for weight in (3.0, 1.0):
         planner.request_prior_weight = weight
-        mine = planner.request_stats(types.SimpleNamespace(draft_stats=None))
+        mine = planner.request_stats(types.SimpleNamespace(request_id=f"r{weight}"))
         for _ in range(4):
             mine.observe(3, depth=4, accepted=0)
         seen = sum(0.9 ** k for k in range(4))
@@ -337,13 +338,13 @@ def test_adaptive_off_drafts_the_full_length(tmp_path):
     llm = LLM(model=str(model), dtype="float32", speculative_config={
         "decoding_type": "user", "drafter": drafter, "max_draft_len": 4, "adaptive": False})
     out = llm.generate([prompt], params)[0]
-    assert llm.engine.planner is None
+    assert not llm.engine.planner.adaptive
     assert out.token_ids == reference and out.metrics.num_steps_speculation_off == 0
     assert out.metrics.draft_len_counts[4] >= out.metrics.num_steps - 4  # all but the steps near max_tokens
 
 
 def test_manual_rules_replace_the_planner():
-    from specdec.config import config_from_dict
+    from specdec.config_loading import config_from_dict
 
     spec = config_from_dict({"speculative_config": {"decoding_type": "ngram",
                                                     "draft_len_schedule": {1: 4, 8: 0}}}).speculative_config
@@ -383,17 +384,17 @@ def test_probes_back_off_while_they_fail_and_reset_when_drafts_pay():
             (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * depth)], shape)
             assert kept.depth == 1  # a probe is verified even though the estimate says no
             planner.observe(req, None, depth=1, accepted=0)
-            req.steps_without_drafts = 0
+            planner.state(req).steps_without_drafts = 0
         else:
             since += 1
-            req.steps_without_drafts += 1
+            planner.state(req).steps_without_drafts += 1
     assert waits[:5] == [4, 8, 16, 32, 32]  # doubling, up to 8x probe_interval
     for _ in range(10):
         planner.observe(req, None, depth=4, accepted=4)
     ((depth, _),) = planner.plan([req], [(4, 4)], shape)
     assert depth == 4
     (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * 4)], shape)
-    assert kept.depth == 4 and req.probe_after == 0  # drafts pay again: probes back to the default
+    assert kept.depth == 4 and planner.state(req).probe_after == 0  # drafts pay again: probes back to the default
 
 
 def probing_run(probe_share: float, steps: int = 400) -> tuple[float, float, set]:
@@ -423,7 +424,7 @@ def probing_run(probe_share: float, steps: int = 400) -> tuple[float, float, set
             if k:
                 probed.add(req.request_id)
                 planner.observe(req, None, depth=k.depth, accepted=0)
-            req.steps_without_drafts = 0 if k else req.steps_without_drafts + 1
+            planner.state(req).steps_without_drafts = 0 if k else planner.state(req).steps_without_drafts + 1
     return spent, elapsed, probed
 
 
@@ -450,7 +451,7 @@ def test_the_probe_share_halves_while_probes_do_not_pay_and_comes_back_when_draf
             shares.append(planner.probe_share_now)
             (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * depth)], shape)
             planner.observe(req, None, depth=kept.depth, accepted=0)
-        req.steps_without_drafts = 0 if depth else req.steps_without_drafts + 1
+        planner.state(req).steps_without_drafts = 0 if depth else planner.state(req).steps_without_drafts + 1
     assert shares[:5] == [0.2, 0.1, 0.05, 0.05, 0.05]  # halved by each probe, down to an eighth
     assert PROBE_SHARE_HALVINGS == 3
     for _ in range(10):
@@ -485,8 +486,8 @@ def test_a_probe_that_looks_worth_verifying_once_drafted_is_still_a_probe():
         if depth:
             (kept,) = planner.trim([req], [DraftProposal(token_ids=[5])], shape)
             assert kept.depth == 1  # worth verifying once drafted
-            probes.append((planner.probe_share_now, req.probe_after))
-        req.steps_without_drafts = 0 if depth else req.steps_without_drafts + 1
+            probes.append((planner.probe_share_now, planner.state(req).probe_after))
+        planner.state(req).steps_without_drafts = 0 if depth else planner.state(req).steps_without_drafts + 1
     assert probes[:3] == [(0.2, 8), (0.1, 16), (0.05, 32)]
 
 
@@ -499,7 +500,7 @@ def test_each_probe_pays_for_its_drafting_and_an_untimed_drafter_is_probed_one_r
     for req in reqs:
         for _ in range(20):
             planner.observe(req, None, depth=1, accepted=0)
-        req.steps_without_drafts = 4  # every one due for a probe
+        planner.state(req).steps_without_drafts = 4  # every one due for a probe
     planner.probe_credit = 2.0  # four probes' drafting, or two with their tokens
     probing = sum(d for d, _ in planner.plan(reqs, [(1, 1)] * 8, shape))
     assert probing == 2 and planner.probe_credit < 1.0
@@ -539,7 +540,7 @@ def test_warm_ups_bringing_aux_tokens_only_spend_at_most_the_probe_share(probe_s
         planner.observe_step(tokens, 0.0, costs.step_seconds(tokens), 16 if tokens > 8 else 1)
         for req, k in zip(reqs, kept):
             warmed[req.request_id] += k is not None
-            req.steps_without_drafts += 1
+            planner.state(req).steps_without_drafts += 1
     assert asked > 8 * 300  # plan() asks nearly every request every step...
     assert len(warmed) == 8 and max(warmed.values()) - min(warmed.values()) <= 2  # ...each warms up in turn...
     # ...within the budget (all kept: 19% of the time), which halved while no warm-up brought a draft
@@ -580,7 +581,7 @@ def test_a_drafter_that_rarely_has_a_draft_is_asked_only_where_asking_is_cheap()
         for _ in range(30):
             planner.observe(req, None, depth=4, accepted=4)  # its drafts are always right...
             planner.observe_asks([req], [None])  # ...but it rarely has one
-        assert req.draft_stats.draft_rate() < 0.2
+        assert planner.request_stats(req).draft_rate() < 0.2
         assert planner.plan([req], [(4, 4)], shape) == [(expected, expected)]
 
 
@@ -592,7 +593,7 @@ def test_prompt_chunks_are_no_jump_for_the_cost_model(tiny_models):
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32", engine={"max_num_tokens": 16},
               speculative_config={"decoding_type": "ngram"})
     engine, seen = llm.engine, []
-    forward, observe = engine._forward, engine.planner.observe_step
+    forward, observe = engine.forward, engine.planner.observe_step
 
     def recording_forward(items):
         seen.append((any(it.is_prefill for it in items),
@@ -603,7 +604,7 @@ def test_prompt_chunks_are_no_jump_for_the_cost_model(tiny_models):
         seen[-1] += (widest,)
         return observe(num_tokens, work, seconds, widest)
 
-    engine._forward, engine.planner.observe_step = recording_forward, recording_observe
+    engine.forward, engine.planner.observe_step = recording_forward, recording_observe
     prompts = [[5, 6, 7, 8] * 10, [9, 10, 11, 12] * 10, [3, 4] * 12]
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert all(widest == decode_widest for _, decode_widest, widest in seen)  # drafts or not

@@ -3,8 +3,8 @@ drafted tree's K/V kept only along the accepted path, checked against no-cache f
 
 import pytest
 import torch
-from conftest import stock_model
 
+from conftest import stock_model
 from specdec.draft_runner import DraftInput, DraftRunner, causal_lm_forward
 
 

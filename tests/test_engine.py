@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import reference_greedy
 from helpers import first_divergence, near_tie_at
 
+from conftest import reference_greedy
 from specdec import LLM, DraftProposal, SamplingParams, TreeMask, hookimpl
 from specdec.errors import KVCacheFullError, RequestError
 
@@ -222,7 +222,7 @@ def test_engine_applies_an_opt_in_lossy_rule(tiny_models):
     prompt = [[3, 4, 5, 6, 7]]
     exact = LLM(model=str(tiny_models["llama"]), dtype="float32", speculative_config=spec)
     relaxed = LLM(model=str(tiny_models["llama"]), dtype="float32", speculative_config=spec)
-    relaxed.engine.acceptance_rule = RelaxedAcceptance(topk=128, delta=1.0)  # admits any token: maximally lossy
+    relaxed.engine.verifier.acceptance_rule = RelaxedAcceptance(topk=128, delta=1.0)  # admits any token
     a = exact.generate(prompt, params)[0]
     b = relaxed.generate(prompt, params)[0]
     assert b.metrics.num_accepted_tokens == b.metrics.num_draft_tokens  # every draft accepted
@@ -232,7 +232,7 @@ def test_engine_applies_an_opt_in_lossy_rule(tiny_models):
 
 
 def test_kv_pool_sized_by_memory_fraction(tiny_models):
-    from specdec.executor.engine import free_memory_bytes
+    from specdec.executor.kv_budget import free_memory_bytes
 
     small = LLM(model=str(tiny_models["llama"]), dtype="float32", engine={"kv_cache_memory_fraction": 0.001})
     per_block = small.engine.config.block_size * 2 * 2 * 2 * 16 * 4  # layers * (k+v) * kv_heads * dim * bytes
@@ -294,14 +294,14 @@ def test_node_budget_is_respected_under_load(tiny_models):
               speculative_config={"decoding_type": "user", "drafter": "wide_tree_mod:Drafter", "max_draft_len": 3,
                                   "max_total_draft_tokens": 5})
     sizes, nodes = [], []
-    forward = llm.engine._forward
+    forward = llm.engine.forward
 
     def watch(items):
         sizes.append(sum(len(it.tokens) for it in items))
         nodes.extend(len(it.proposal.token_ids) for it in items if it.proposal is not None)
         return forward(items)
 
-    llm.engine._forward = watch
+    llm.engine.forward = watch
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
     assert max(sizes) <= 24, sizes

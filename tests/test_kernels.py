@@ -2,16 +2,14 @@
 
 import pytest
 import torch
+from helpers import random_layout
 
-from specdec.kernels import chain_rejection_torch, greedy_tree_verify_torch
+from specdec import DraftProposal
+from specdec.kernels import AttentionLayout, SequenceSlice, chain_rejection_torch, greedy_tree_verify_torch
 from specdec.kernels.attention import paged_attention_torch
 from specdec.kernels.kv_copy import copy_kv_slots_torch
-from specdec.kernels import AttentionLayout, SequenceSlice
 from specdec.kernels.layout import slot_ids
 from specdec.sampler import verify_greedy
-from specdec import DraftProposal
-
-from helpers import random_layout
 
 triton_kernels = pytest.importorskip("specdec.kernels.triton_kernels")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

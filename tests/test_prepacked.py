@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import LLM, SamplingParams
-from specdec.kernels import make_linear_invariant, prepack_linear, restore_linear
-from specdec.kernels import prepacked
+from specdec.kernels import make_linear_invariant, prepack_linear, prepacked, restore_linear
 from specdec.kernels.prepacked import can_prepack, packed_linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

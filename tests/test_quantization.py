@@ -7,9 +7,18 @@ import torch
 
 from specdec import LLM, SamplingParams, testing
 from specdec.errors import ConfigError, ModelLoadError
-from specdec.quantization import (GROUP_SIZE, Int4Linear, Int8Embedding, Int8Linear, check_supported,
-                                  quantize_groups_int4, quantize_rows_int8, quantize_target, rows_are_independent,
-                                  weight_bytes)
+from specdec.models import quantize_target
+from specdec.quantization import (
+    GROUP_SIZE,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    check_supported,
+    quantize_groups_int4,
+    quantize_rows_int8,
+    rows_are_independent,
+    weight_bytes,
+)
 
 
 def test_layers_compute_their_dequantized_weights_within_half_a_step():
@@ -139,7 +148,6 @@ def test_unsupported_quantization_is_a_clear_error():
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_a_drafter_for_another_target_is_refused_as_for_the_unquantized_target(tiny_models, mode, tmp_path):
     """Checkpoints are checked against the target's shape, which quantization leaves as it was."""
-    from specdec_draft_target import SHIPPED_DRAFT
     from specdec_eagle import SHIPPED_HEADS
     from specdec_mtp import SHIPPED_MODULE
 

@@ -216,7 +216,7 @@ def test_relaxed_acceptance_only_inside_the_thinking_phase():
 
 
 def test_lossy_rules_are_opt_in_per_method_config():
-    from specdec.config import config_from_dict
+    from specdec.config_loading import config_from_dict
 
     medusa = config_from_dict({"speculative_config": {"decoding_type": "medusa"}}).speculative_config
     assert medusa.acceptance_rule() is None

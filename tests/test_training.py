@@ -152,8 +152,7 @@ def test_init_starts_from_the_shipped_drafter_and_saves_it_back(train_target, me
 def test_init_is_refused_before_any_work_by_a_trainer_that_cannot_start_from_a_drafter(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from specdec.training import MethodTrainer, TrainError, TrainOptions, train
-    from specdec.training import loop
+    from specdec.training import MethodTrainer, TrainError, TrainOptions, loop, train
 
     class ScratchOnly(MethodTrainer):
         pass

@@ -1,7 +1,8 @@
 """The executor: requests, scheduler, model runner and the speculative step."""
 
-from .engine import Engine, StepOutput
-from .model_runner import TargetModel
+from ..target_model import TargetModel
+from .engine import Engine
 from .request import Request
+from .step_items import StepOutput
 
 __all__ = ["Engine", "Request", "StepOutput", "TargetModel"]

@@ -29,7 +29,7 @@ import torch
 
 from ..kernels import AttentionLayout, SequenceSlice, paged_attention_is_triton
 from ..kvcache import PagedKVCache
-from .model_runner import ForwardMetadata, TargetModel
+from ..target_model import ForwardMetadata, TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,8 @@ class CudaGraphs:
         """The (batch, width) graph that holds ``meta``'s step, or None (it runs eagerly)."""
         layout = meta.layout
         if (self._disabled or layout is None or meta.probe is not None or meta.batch_invariant
-                or meta.cache is not self.cache or layout.has_pending or not paged_attention_is_triton(self.target.device)):
+                or meta.cache is not self.cache or layout.has_pending
+                or not paged_attention_is_triton(self.target.device)):
             return None
         seqs = layout.seqs
         widest = max(len(s.positions) for s in seqs)

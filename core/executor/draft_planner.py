@@ -1,54 +1,30 @@
 """Adaptive draft lengths: each step, the draft depth of every request that maximises the
 expected tokens per second of the whole step, zero included.
 
-Two live estimates feed the choice, both measured while serving (no start-up calibration,
-no table to tune):
+Two live estimates feed the choice, both measured while serving (no calibration, no table
+to tune):
 
-* :class:`StepCostModel`: seconds of a step as a function of the tokens in its target
-  forward (with the jump from one token to more, where the forward has a one-token
-  graph) and of the attention they do (every step is a sample, prompt chunks
-  included), and seconds of drafting per draft level.
-* :class:`AcceptanceStats`: the chance that draft position ``j`` is accepted once
-  position ``j - 1`` was, per proposal kind (:attr:`DraftProposal.kind`: ngram's match
-  length, say), from counts that decay so the estimate follows the request; a request's
-  estimate leans on the engine-wide one of the same kind until it has its own evidence.
-
-Where the drafter grows an EAGLE-2 dynamic tree and would grow a chain when asked for no
-more nodes than levels (``chain_or_tree``), each request gets the tree or the chain,
-whichever pays more by its own estimates (trees are :data:`~specdec.drafting.TREE_KIND`;
-:meth:`DraftPlanner.observe_verified` also counts, for each verified tree, how far its
-chain would have gone), so that the choice is not biased by where each was tried.
+* :class:`StepCostModel`: seconds of a step from the tokens of its target forward and the
+  attention they do, and seconds of drafting per draft level.
+* :class:`AcceptanceStats`: the chance that draft position ``j`` is accepted once position
+  ``j - 1`` was, per proposal kind (ngram's match length, say), from counts that decay so
+  the estimate follows the request; a request's estimate leans on the engine-wide one
+  until it has evidence of its own.
 
 :func:`best_depths` adds draft positions one at a time, the best expected gain per node
 first over all requests, and keeps the prefix with the highest expected tokens per second.
-:class:`DraftPlanner` runs it twice per step: before drafting, to tell each drafter the
-depth worth asking for (drafting time counted), and on the proposals, to trim each to the
-depth its own kind earns (drafting time already spent; until :data:`COLD_START_DRAFTS`
-drafts were verified, one request a step). A request the planner keeps from
-drafting is probed with a one-level draft after ``probe_interval`` steps, then after
-twice as many each time the probe does not pay (up to 8x), so that speculation comes
-back on when it would pay again. Probes are paid from a budget shared by the batch: a
-share (3%) of the estimated time of every step, so that a batch of requests whose
-drafts do not pay loses at most that share, whatever a probe costs, however many
-requests it holds: a lookahead probe brings its 15-token window (eight diverse prompts at
-batch 8, 96 tokens, ``scripts/step_shapes.py lookahead --probe-share X``: 240 tokens of
-probes without the budget, all eight requests probing in the same two steps; 45-165 with
-it, in 3-6 steps). A proposal of aux tokens only (lookahead's window while its pool has
-no match) brings nothing this step and is paid from the same budget: running every such
-window made lookahead's first steps at batch 8 cost several plain steps each. Each probe
-pays for its tokens and for one level of drafting, its own: a drafter that reads target
-features first feeds the rows it missed while off, request by request (EAGLE-3 at batch
-8, eight probes at once: 37 ms of drafting against a 48 ms step); until drafting has been
-timed, one request a step is probed. Each probe or warm-up after which no request drafted
-on the estimate's own merit halves that share, down to an eighth; a draft the estimate
-keeps restores it. Without the halving, a method whose
-probes never pay kept losing the whole share: lookahead's windows, each about twice a
-decode step's time at batch 1, were 31 of 1,308 steps on the diverse set, 11 since
-(``scripts/step_shapes.py lookahead --batch-size 16 --one-at-a-time --batch-invariant``).
-A probe's own draft does not count as kept on its merit, even where the estimate would
-keep it once drafted (its drafting time spent): that says nothing of whether drafting
-pays, and counted so, probes of the trained heads at batch 8 kept the whole share and the
-shortest wait (session 36).
+The planner runs it before drafting (drafting time counted) and on the proposals (to trim
+each to the depth its own kind earns). Where a drafter may grow a chain instead of its
+dynamic tree, each request gets whichever pays more by its own estimates.
+
+A request kept from drafting is probed with a one-level draft after ``probe_interval``
+steps, then after twice as long each time the probe does not pay (up to 8x), so that
+speculation comes back when it would pay again. Probes, and proposals of aux tokens only
+(lookahead filling its pool), are paid from a budget shared by the batch, a share of every
+step's estimated time that halves after each probe that led to no paying draft: a batch
+whose drafts never pay loses at most that share. Until a few drafts were verified, one
+request a step verifies its draft, since the batch's acceptance is a guess until then.
+Measurements behind these rules: BENCHMARKS.md, "Speculation that never loses".
 """
 
 from __future__ import annotations
@@ -56,20 +32,19 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable, Hashable
 
 import attrs
 
+from ..config import SpeculativeConfig
 from ..drafting import TREE_KIND, first_child_path
 from ..kernels.layout import TREE_BATCH_PAIRS, padded_group_cost, padded_groups
 
 #: the attention work of a step's draft trees run as a batch of their own, in thousands of pairs
 TREE_BATCH_WORK = TREE_BATCH_PAIRS / 1000
 #: drafts the engine verifies, one request a step, before a batch verifies drafts on the
-#: acceptance it guesses: eight medusa requests of the diverse set at batch 8, starting at the guess,
-#: verified trees of 16-32 nodes each in their first steps, 80-95 ms against a 40 ms decode
-#: step, for drafts that were rarely accepted (``scripts/step_shapes.py medusa --batch-size 8
-#: --batch-invariant``)
+#: acceptance it guesses
 COLD_START_DRAFTS = 4
 #: probes and warm-ups in a row that led to no draft worth verifying, after which the probe
 #: share stops halving (an eighth of it)
@@ -79,29 +54,17 @@ PROBE_SHARE_HALVINGS = 3
 class StepCostModel:
     """Seconds of a step, ``a + d * [widest > 1] + b * tokens + c * work``, and of drafting per level.
 
-    ``tokens`` is the number of target tokens in the step's forward (weights are streamed
-    once per step, each token adds matmul rows); ``work`` the attention it does in
-    thousands of query-key pairs (:meth:`AttentionLayout.attention_work`), which grows with
-    the batch's contexts and dominates extra tokens on CPU at larger batches. ``d`` is
-    the jump from a step where every decoding sequence has one new token to one where
-    some decoding sequence (``widest``) verifies drafts, which the line through wider
-    steps misses. Prompt chunks do not count as wide: their cost is in ``tokens`` and
-    ``work``, and read as a jump, eight long prompts made every later draft at batch 8
-    look 90 ms dear (the built-in summarization prompts, eager bfloat16). At batch
-    1: a compiled target runs one token through a graph of its own, and verifying the
-    first draft token can cost several times what each later one does (the embedded model,
-    ``scripts/profile_step.py [--compile] --curve 1 2 3 4 8 16``: compiled 35.0 / 38.5 /
-    36.2 / 35.4 / 42.6 / 52.9 ms, eager 45.3 / 50.2 / 46.0 / 43.8 / 50.0 / 63.9). In a
-    batch the same term prices the first request that verifies drafts; on this CPU that
-    jump measured small (Medusa at batch 8, ``scripts/step_shapes.py medusa``: 39.1 ms for
-    eight one-token sequences, 42.1 / 51.1 / 61.5 ms with 10 / 16 / 24 tokens), and the fit
-    leaves ``d`` near zero where there is none. BENCHMARKS.md has the runs. It is fitted
-    only while both kinds of step have been seen recently; otherwise the model is linear
-    in ``tokens``. The coefficients come
-    from least squares over every step seen, older steps forgotten geometrically so the
-    model follows a machine that speeds up or slows down, and none of them negative (the
-    best fit over the subsets of features is kept).
-    """
+``tokens`` is the number of target tokens in the step's forward (weights are streamed
+once per step, each token adds matmul rows); ``work`` the attention it does in thousands
+of query-key pairs, which grows with the batch's contexts. ``d`` is the jump from a step
+where every decoding sequence has one new token to one where some sequence (``widest``)
+verifies drafts: a compiled target runs one token through a graph of its own, so the first
+draft token can cost more than each later one. Prompt chunks do not count as wide (their
+cost is in ``tokens`` and ``work``). The jump is fitted only while both kinds of step have
+been seen recently. The coefficients come from least squares over every step seen, older
+steps forgotten geometrically so that the model follows a machine that speeds up or slows
+down, none of them negative (the best fit over the subsets of features is kept).
+"""
 
     #: decayed number of one-token and of wider steps both needed before the jump is fitted
     MIN_STEPS_OF_EACH = 2.0
@@ -139,9 +102,7 @@ class StepCostModel:
         """(a, d, b, c) of the best non-negative fit; before three steps, or while every
         step had (nearly) the same number of tokens, the mean step time with a small
         per-token slope (drafts look nearly free, so speculation starts on and gets
-        measured). Steps all alike say nothing of what a token costs: fitted, three
-        512-token prompt chunks made tokens free, and the next step ran the windows of
-        eight lookahead requests (15 tokens each) as if they cost nothing."""
+        measured): steps all alike say nothing of what a token costs."""
         if self._coefficients is not None:
             return self._coefficients
         if self.num_steps < 3 or self._token_spread() < 1.0:
@@ -256,11 +217,8 @@ class AcceptanceStats:
         is guessed like the last one that was, so a request drafting short learns whether
         longer drafts would pay); position 0 without any evidence on the initial guess.
         The engine-wide estimate guesses a kind it never verified at least as well as its
-        verified drafts of every kind together (:meth:`pooled_rates`): left at the initial
-        guess, ngram's copies (matches agreeing with the request for 8 tokens or more) were
-        refused while the 3-token matches before them were accepted 97% of the time, and a
-        batch of eight summarization requests verified no draft for 10 steps, until the
-        probes came (BENCHMARKS.md, session 33)."""
+        verified drafts of every kind together (:meth:`pooled_rates`), so that a new kind
+        (a longer ngram match, say) is not refused on the initial guess alone."""
         rows = self.counts.get(kind, ())
         prior_rates = self.prior.rates(kind, depth) if self.prior is not None else None
         unseen = self.pooled_rates(depth) if self.prior is None and not self.has_seen(kind, 0) else None
@@ -425,18 +383,50 @@ class _StepLoad:
         self.drafting += 1
 
 
-class DraftPlanner:
-    """The engine's adaptive draft lengths (see the module docstring).
+@attrs.define
+class RequestDraftState:
+    """What the planner keeps of one request."""
 
-    ``stats`` is the engine-wide acceptance, the prior of every request's own
-    (:attr:`Request.draft_stats`); ``costs`` the measured step and drafting costs;
-    ``aux_tokens`` the mean number of aux tokens a proposal brings (lookahead's window),
-    which drafting costs in the target forward whatever depth is verified.
+    stats: AcceptanceStats | None = None  # its own acceptance, leaning on the engine-wide estimate
+    steps_without_drafts: int = 0  # decode steps since a draft was last verified
+    probe_after: int = 0  # steps without drafts before the next probe (0: the planner's default)
+    last_warm_up: int = -1  # serial number of its last aux-only warm-up (the oldest runs first)
+    recent_acceptance: deque = attrs.Factory(lambda: deque(maxlen=64))  # accepted share of each recent draft
+    paused_until: int = 0  # decode step at which a low-acceptance pause ends
+
+
+@attrs.frozen
+class LowAcceptancePause:
+    """A request whose mean accepted share over its last ``window`` drafts falls below
+    ``min_rate`` stops drafting for ``retry_after`` steps (``min_acceptance_rate``)."""
+
+    min_rate: float
+    window: int
+    retry_after: int
+
+
+class DraftPlanner:
+    """Every rule that decides how much a request drafts in a step, and the state they need.
+
+    The fixed rules: the configured shape for the batch size (``draft_len_schedule``), the
+    room left in the request and the context, the scheduler's allowance, and the
+    low-acceptance pause. With ``adaptive`` on, the depth that maximises the step's
+    expected tokens per second (see the module docstring), probes included.
+
+    ``stats`` is the engine-wide acceptance, the prior of every request's own;
+    ``costs`` the measured step and drafting costs; ``aux_tokens`` the mean number of aux
+    tokens a proposal brings (lookahead's window), which drafting costs in the target
+    forward whatever depth is verified.
     """
 
     def __init__(self, nodes_for_depth: Callable[[int], int], probe_interval: int, probe_share: float = 0.03,
-                 chain_or_tree: bool = False):
+                 chain_or_tree: bool = False, adaptive: bool = True,
+                 shape_for_batch: Callable[[int], tuple[int, int]] | None = None,
+                 pause: LowAcceptancePause | None = None):
         self.nodes_for_depth = nodes_for_depth
+        self.shape_for_batch = shape_for_batch
+        self.adaptive = adaptive
+        self.pause = pause
         self.chain_or_tree = chain_or_tree
         self.probe_interval = probe_interval
         self.probe_share = probe_share
@@ -445,17 +435,74 @@ class DraftPlanner:
         self.costs = StepCostModel()
         self.stats = AcceptanceStats(decay=0.99, prior_weight=2.0)
         self.aux_tokens = 0.0
+        self.requests: dict[str, RequestDraftState] = {}
         self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
         self.num_verified = 0  # drafts verified since the engine started
         self.num_warm_ups = 0
         #: how many observations the engine-wide estimate weighs as in a request's own
-        #: (:class:`AcceptanceStats`). Pooled over drafts, the engine-wide counts are those of
-        #: the requests that draft most; weighing them less lets a request's own failures
-        #: count sooner, but makes its estimates noisier. Measured both ways, interleaved
-        #: (``scripts/ab_planner.py``, BENCHMARKS.md, session 31): as one instead of three,
-        #: ngram at batch 8 on the diverse set 0.93x -> 0.94x plain, MTP at batch 1 on the
-        #: open-ended categories 1.56x -> 1.40x; it stays three (the estimates' default).
+        #: (:class:`AcceptanceStats`): lower lets a request's own failures count sooner but
+        #: makes its estimate noisier (``scripts/ab_planner.py`` varies it).
         self.request_prior_weight = attrs.fields(AcceptanceStats).prior_weight.default
+
+    @classmethod
+    def for_config(cls, spec: SpeculativeConfig) -> DraftPlanner:
+        """The planner of an engine speculating with ``spec``."""
+        pause = (LowAcceptancePause(spec.min_acceptance_rate, spec.acceptance_window, spec.retry_after)
+                 if spec.min_acceptance_rate > 0 else None)
+        # the config is frozen: its shapes are worked out once per depth and batch size
+        return cls(functools.cache(spec.nodes_for_depth), spec.probe_interval, chain_or_tree=spec.chain_or_tree,
+                   adaptive=spec.is_adaptive, shape_for_batch=functools.cache(spec.draft_shape_for_batch),
+                   pause=pause)
+
+    # -- before drafting ----------------------------------------------------------------
+
+    def draft_budget(self, batch_size: int) -> int:
+        """Draft nodes the scheduler keeps room for per decoding request."""
+        return self.shape_for_batch(max(batch_size, 1))[1]
+
+    def shapes(self, reqs: list, allowances: list[int], batch_size: int, max_model_len: int,
+               shape: StepShape) -> list[tuple[int, int]]:
+        """The (depth, nodes) to ask each request's drafter for: the configured shape for
+        ``batch_size`` within the scheduler's allowance and the room left in the request
+        and the context, none while the request is paused, then, if adaptive, the depth
+        that pays (:meth:`plan`)."""
+        depth, nodes = self.shape_for_batch(batch_size)
+        caps = []
+        for req, allowance in zip(reqs, allowances):
+            room = min(req.sampling_params.max_tokens - req.num_output_tokens,
+                       max_model_len - len(req.token_ids)) - 1
+            d = 0 if self._paused(req) else max(0, min(depth, room, allowance))
+            caps.append((d, min(nodes, allowance) if d else 0))
+        return self.plan(reqs, caps, shape) if self.adaptive else caps
+
+    def _paused(self, req) -> bool:
+        return self.pause is not None and req.metrics.num_steps < self.state(req).paused_until
+
+    # -- after drafting and verification --------------------------------------------------
+
+    def observe_drafting(self, depth: int, seconds: float, trees: bool) -> None:
+        """A drafting call asked for ``depth`` levels at most and took ``seconds``."""
+        if self.adaptive:
+            self.costs.observe_draft(depth, seconds, trees)
+
+    def observe_decode(self, req, proposal, accepted_nodes: list[int]) -> None:
+        """``req`` decoded a step, verifying ``proposal`` (None: no drafts) of which the
+        target accepted ``accepted_nodes``."""
+        state = self.state(req)
+        depth = proposal.depth if proposal is not None else 0
+        state.steps_without_drafts = 0 if depth else state.steps_without_drafts + 1
+        if not depth:
+            return
+        if self.adaptive:
+            self.observe_verified(req, proposal, accepted_nodes)
+        if self.pause is None:
+            return
+        state.recent_acceptance.append(len(accepted_nodes) / depth)
+        window = self.pause.window
+        if len(state.recent_acceptance) >= window:
+            if sum(list(state.recent_acceptance)[-window:]) / window < self.pause.min_rate:
+                state.paused_until = req.metrics.num_steps + self.pause.retry_after
+                state.recent_acceptance.clear()
 
     def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int) -> None:
         """A step ran (drafting excluded; ``widest``: the most new tokens of one
@@ -464,6 +511,8 @@ class DraftPlanner:
         step neither grants nor denies a probe), saved up to ``probe_share`` of four of the
         longest back-offs at most, so that a long spell without probes is no licence for a
         burst, and the dearest probe is paid in the end however far the share has halved."""
+        if not self.adaptive:
+            return
         self.costs.observe_step(num_tokens, work, seconds, widest)
         estimate = self.costs.step_seconds(num_tokens, work, widest)
         self.probe_credit = min(self.probe_credit + self.probe_share_now * estimate,
@@ -496,21 +545,37 @@ class DraftPlanner:
     def _overdue_first(self, reqs: list, candidates: list[int]) -> list[int]:
         """The requests among ``candidates`` due for a probe, the longest overdue first."""
         due = [i for i in candidates if self._probe_due(reqs[i])]
-        return sorted(due, key=lambda i: (reqs[i].probe_after or self.probe_interval) - reqs[i].steps_without_drafts)
+        states = {i: self.state(reqs[i]) for i in due}
+        return sorted(due, key=lambda i: (states[i].probe_after or self.probe_interval)
+                      - states[i].steps_without_drafts)
+
+    def state(self, req) -> RequestDraftState:
+        """What the planner keeps of ``req`` (made on first use, dropped by :meth:`forget`)."""
+        state = self.requests.get(req.request_id)
+        if state is None:
+            state = self.requests[req.request_id] = RequestDraftState()
+        return state
+
+    def forget(self, req) -> None:
+        """``req`` ended: drop its state."""
+        self.requests.pop(req.request_id, None)
 
     def request_stats(self, req) -> AcceptanceStats:
-        if req.draft_stats is None:
-            req.draft_stats = AcceptanceStats(prior=self.stats, prior_weight=self.request_prior_weight)
-        return req.draft_stats
+        state = self.state(req)
+        if state.stats is None:
+            state.stats = AcceptanceStats(prior=self.stats, prior_weight=self.request_prior_weight)
+        return state.stats
 
     def _probe_due(self, req) -> bool:
-        return req.steps_without_drafts >= (req.probe_after or self.probe_interval)
+        state = self.state(req)
+        return state.steps_without_drafts >= (state.probe_after or self.probe_interval)
 
     def _probed(self, req) -> None:
         """A probe was forced: the next one waits twice as long (up to 8x), so a request
         whose drafts keep not paying costs ever less; drafts that pay reset the wait."""
-        req.probe_after = min(2 * (req.probe_after or self.probe_interval), 8 * self.probe_interval)
-        req.steps_without_drafts = 0
+        state = self.state(req)
+        state.probe_after = min(2 * (state.probe_after or self.probe_interval), 8 * self.probe_interval)
+        state.steps_without_drafts = 0
         self.unpaid_probes += 1
 
     def step_seconds(self, shape: StepShape, trees: bool = False) -> Callable[[int, int, int], float]:
@@ -604,6 +669,8 @@ class DraftPlanner:
         A proposal of aux tokens only (lookahead filling its n-gram pool) brings no token
         this step: like a probe, it runs where plan() paid for a probe or the probe budget
         holds it, the request that warmed up longest ago first."""
+        if not self.adaptive:
+            return proposals
         options = []
         for prop in proposals:
             if prop is not None:
@@ -636,17 +703,17 @@ class DraftPlanner:
                     depths[i] = 1
                     load.add(options[i].nodes[1])
             elif depths[i] > 0:
-                req.probe_after = 0
+                self.state(req).probe_after = 0
                 self.unpaid_probes = 0
             else:
                 cut.append(i)
         for i in self._paid_from_budget(self._overdue_first(reqs, cut), lambda i: options[i].nodes[1], load, step):
             depths[i] = 1
             self._probed(reqs[i])
-        for i in self._paid_from_budget(sorted(warming, key=lambda i: reqs[i].last_warm_up),
+        for i in self._paid_from_budget(sorted(warming, key=lambda i: self.state(reqs[i]).last_warm_up),
                                         lambda i: len(proposals[i].aux_token_ids), load, step):
             warm.add(i)
-            reqs[i].last_warm_up = self.num_warm_ups
+            self.state(reqs[i]).last_warm_up = self.num_warm_ups
             self.num_warm_ups += 1
             self.unpaid_probes += 1
         kept = [prop if i in warm else None if prop is None else prop.up_to_depth(depths[i])
@@ -668,6 +735,8 @@ class DraftPlanner:
     def observe_asks(self, reqs: list, proposals: list) -> None:
         """Whether each request asked for a draft got one. A proposal of aux tokens only
         (lookahead filling its n-gram pool) is neither: the drafter is warming up."""
+        if not self.adaptive:
+            return
         for req, prop in zip(reqs, proposals):
             if prop is not None and prop.depth == 0:
                 continue

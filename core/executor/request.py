@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import enum
-from collections import deque
 
 import attrs
 import torch
 
 from ..sampling_params import SamplingParams
-from .draft_planner import AcceptanceStats
 from .metrics import RequestMetrics
 
 
@@ -26,8 +24,7 @@ class Request:
     ``token_ids`` holds the prompt followed by every accepted output token;
     ``num_computed`` tokens of it have their K/V committed in ``block_table``'s blocks.
     While decoding, the last token is not in the cache yet: it is the root of the next
-    draft. ``drafter_state`` is a free dict for the drafter's per-request state;
-    ``draft_stats`` the adaptive planner's acceptance estimate for this request.
+    draft. ``drafter_state`` is a free dict for the drafter's per-request state.
     """
 
     request_id: str
@@ -43,12 +40,6 @@ class Request:
     block_table: list[int] = attrs.Factory(list)
     drafter_state: dict = attrs.Factory(dict)
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)
-    recent_acceptance: deque = attrs.Factory(lambda: deque(maxlen=64))
-    speculation_paused_until: int = 0  # decode step count at which speculation resumes
-    draft_stats: AcceptanceStats | None = None
-    steps_without_drafts: int = 0  # decode steps since a draft was last verified
-    probe_after: int = 0  # steps without drafts before the planner probes again (0: its default)
-    last_warm_up: int = -1  # serial number of its last aux-only warm-up (the planner runs the oldest first)
     stop_text: str | None = None  # the output text cut before a stop string that ended it
     output_logprobs: list[dict[int, float]] = attrs.Factory(list)  # per output token, if asked (see SamplingParams)
     prompt_logprobs: list[dict[int, float]] = attrs.Factory(list)  # per prompt token from the second, if asked

@@ -97,10 +97,7 @@ def plan_weight(weight: torch.Tensor, plan: LinearPlan) -> torch.Tensor | tuple[
     One part: the weight itself, or prepacked for oneDNN where that is exact
     (:mod:`.prepacked`). Several parts: each slice ``[out, in / parts]`` prepacked where that
     is exact (bfloat16 on the CPU), one product per slice; else ``[parts, in / parts, out]``
-    for one batched ``bmm``, which reorders the weight at every call (the embedded model's
-    1536 -> 576 projection, 2 threads, ``scripts/bench_invariant_ops.py``: 201 against 228
-    us a layer at one row, 231 against 284 at 16; the stock product, not invariant, 121 and
-    137)."""
+    for one batched ``bmm``, which reorders the weight at every call."""
     if plan.parts == 1:
         return pack_weight(weight) if can_prepack(weight) else weight
     slices = weight.detach().view(weight.shape[0], plan.parts, -1)

@@ -18,6 +18,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from .invariant import KEY_BLOCK, ROW_MULTIPLE, round_up
 
+
 def width_group(num_new: int) -> int:
     """The padding group of a sequence with ``num_new`` new tokens in a step: sequences of
     one group differ in width by less than 2x."""
@@ -49,9 +50,8 @@ def padded_groups(sequences: list[tuple[int, int]]) -> list[list[int]]:
     """The torch attention's padded groups of a step's ``(cached, new)`` sequences (their
     indices): first by :func:`width_group`, then neighbouring groups merged while one
     group costs less than two (:func:`padded_group_cost`). Eight decodes and one
-    two-token draft share a group (padding seven queries is cheaper than a second group:
-    1.5-5 ms of a 45-72 ms step of the embedded model at batch 8, bfloat16,
-    ``scripts/bench_padded_groups.py``), a 16-node tree gets its own."""
+    two-token draft share a group (padding seven queries is cheaper than a second group),
+    a 16-node tree gets its own."""
     buckets: dict[int, list[int]] = {}
     for i, (_, n) in enumerate(sequences):
         buckets.setdefault(width_group(n), []).append(i)

@@ -2,11 +2,9 @@
 
 Why: a CPU bfloat16 ``F.linear`` hands oneDNN a plain ``[out, in]`` matrix, which it
 reorders into its blocked layout on every call. For a decode step's few rows that reorder
-costs as much as the product: on this repository's 2-core CPU (torch 2.13) one row through
-the embedded model's MLP projections takes 81-82 us with ``F.linear`` and 34-49 us with the
-weight reordered once (``mkldnn._reorder_linear_weight``, ``mkldnn._linear_pointwise``,
-what inductor's weight prepacking uses), and through its LM head 5.2 against 3.4 ms
-(``scripts/bench_linear_prepack.py``).
+costs as much as the product for one row, so the weight is reordered once
+(``mkldnn._reorder_linear_weight``, ``mkldnn._linear_pointwise``, what inductor's weight
+prepacking uses).
 
 The reordered product runs the same kernel on the same numbers, so its result is
 bit-identical to ``F.linear``'s: each weight shape is checked once on this machine

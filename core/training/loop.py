@@ -130,7 +130,12 @@ def _save_checkpoint(path: Path, state: dict) -> None:
 
 
 def load_target(opts: TrainOptions, device: torch.device) -> TrainTarget:
-    from ..models import load_causal_lm, load_tokenizer, model_display_name, resolve_model_dir
+    from ..models import (
+        load_causal_lm,
+        load_tokenizer,
+        model_display_name,
+        resolve_model_dir,
+    )
 
     path = resolve_model_dir(opts.model)
     model = load_causal_lm(path, torch.float32, device)

@@ -14,9 +14,15 @@ from pathlib import Path
 
 import torch
 
-from specdec.draft_checkpoint import (SECTION, load_state_checked, load_tensors, read_config, save_draft_vocab,
-                                      save_tensors)
 from specdec import TargetParts
+from specdec.draft_checkpoint import (
+    SECTION,
+    load_state_checked,
+    load_tensors,
+    read_config,
+    save_draft_vocab,
+    save_tensors,
+)
 
 #: The draft shipped for the embedded SmolLM2-135M-Instruct (README, BENCHMARKS.md).
 SHIPPED_DRAFT = Path(__file__).parent / "weights" / "smollm2-135m-instruct"

@@ -14,11 +14,19 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from specdec.draft_checkpoint import (SECTION, check_target, drafter_directory, load_state_checked, load_tensors,
-                                      read_config, target_signature)
+from specdec.draft_checkpoint import (
+    SECTION,
+    check_target,
+    drafter_directory,
+    load_state_checked,
+    load_tensors,
+    read_config,
+    target_signature,
+)
 from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary
 
 from .checkpoint import SHIPPED_DRAFT, WEIGHTS, build_draft_model, save_trained_draft, shared_prefixes
+
 
 class DraftTargetTrainer(MethodTrainer):
     options = {"draft_layers": 2, "draft_vocab_size": 8192}

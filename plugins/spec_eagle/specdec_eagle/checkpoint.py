@@ -26,8 +26,15 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from specdec.draft_checkpoint import (SECTION, check_target, load_state_checked, load_tensors, save_draft_vocab,
-                                      read_config, save_tensors)
+from specdec.draft_checkpoint import (
+    SECTION,
+    check_target,
+    load_state_checked,
+    load_tensors,
+    read_config,
+    save_draft_vocab,
+    save_tensors,
+)
 from specdec.errors import ModelLoadError
 
 from .modules import Eagle1Head, Eagle3Head, EagleHead

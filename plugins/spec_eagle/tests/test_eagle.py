@@ -4,9 +4,9 @@ trees and dynamic trees; sampled output follows the target's distribution; preem
 (the draft cache rolled back to where the target recomputes) keeps output unchanged."""
 
 import pytest
+from specdec_eagle import SHIPPED_HEADS
 
 from specdec import LLM, testing
-from specdec_eagle import SHIPPED_HEADS
 
 PROMPTS = testing.SHIPPED_CHECK_PROMPTS
 PARAMS = testing.SHIPPED_CHECK_PARAMS

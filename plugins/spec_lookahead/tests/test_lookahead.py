@@ -1,9 +1,10 @@
 """spec_lookahead: the window's attention pattern, greedy losslessness, sampling through the core sampler."""
 
 
-from specdec import LLM, DraftProposal, SamplingParams, testing
-from specdec.config import config_from_dict
 from specdec_lookahead import LookaheadDrafter, LookaheadState
+
+from specdec import LLM, DraftProposal, SamplingParams, testing
+from specdec.config_loading import config_from_dict
 
 
 def test_conformance():

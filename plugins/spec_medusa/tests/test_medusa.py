@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from specdec_medusa import SHIPPED_HEADS
 
 from specdec import LLM, SamplingParams, testing
-from specdec_medusa import SHIPPED_HEADS
 
 PROMPTS = testing.SHIPPED_CHECK_PROMPTS
 

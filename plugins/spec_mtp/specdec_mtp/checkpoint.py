@@ -19,8 +19,15 @@ from pathlib import Path
 
 import torch
 
-from specdec.draft_checkpoint import (SECTION, check_target, drafter_directory, load_state_checked, load_tensors,
-                                      read_config, save_tensors)
+from specdec.draft_checkpoint import (
+    SECTION,
+    check_target,
+    drafter_directory,
+    load_state_checked,
+    load_tensors,
+    read_config,
+    save_tensors,
+)
 from specdec.errors import ModelLoadError
 
 from .model import REQUIRED, MTPModule

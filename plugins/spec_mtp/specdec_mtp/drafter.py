@@ -5,8 +5,8 @@ autoregressively, each step reading the ``h'`` of the step before."""
 from __future__ import annotations
 
 from specdec.draft_checkpoint import restricted_head
-from specdec.executor.model_runner import ATTENTION_NAME
 from specdec.feature_drafter import FeatureDrafter
+from specdec.target_model import ATTENTION_NAME
 
 from .checkpoint import load_module, module_directory
 from .model import build_module

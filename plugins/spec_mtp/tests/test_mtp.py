@@ -3,9 +3,9 @@ identical to plain greedy in float32 with drafts accepted, as EAGLE-2 dynamic tr
 default) and as chains; sampled output follows the target's distribution."""
 
 import pytest
+from specdec_mtp import SHIPPED_MODULE
 
 from specdec import LLM, testing
-from specdec_mtp import SHIPPED_MODULE
 
 #: Chains only (mtp's default until session 29).
 CHAIN = {"use_dynamic_tree": False}

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from specdec_mtp import build_module
 from transformers import AutoModelForCausalLM
 
 from specdec import LLM, testing
 from specdec.errors import ConfigError, ModelLoadError
-from specdec.executor.model_runner import target_parts
-from specdec_mtp import build_module
+from specdec.target_model import target_parts
 
 PROMPTS = [[3, 17, 42, 9, 5, 77, 3, 17, 42, 9, 5, 77], [8, 1, 99, 23, 64, 8, 1, 99]]
 
@@ -140,7 +140,7 @@ def test_module_that_does_not_fit_the_target_is_named(tmp_path, edit, message):
     ("dynamic_tree_max_topK", 0, "speculative_config.dynamic_tree_max_topK: must be between 1 and 64, got 0"),
 ])
 def test_bad_options_name_their_path(option, value, message):
-    from specdec.config import config_from_dict
+    from specdec.config_loading import config_from_dict
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         config_from_dict({"speculative_config": {"decoding_type": "mtp", option: value}})

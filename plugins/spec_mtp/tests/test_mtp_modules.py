@@ -5,12 +5,12 @@ training's unrolled steps."""
 
 import pytest
 import torch
+from specdec_mtp import build_module
 from transformers import AutoModelForCausalLM
 
 from specdec import testing
-from specdec.executor.model_runner import ATTENTION_NAME, target_parts
+from specdec.target_model import ATTENTION_NAME, target_parts
 from specdec.training import UNROLLED_ATTENTION
-from specdec_mtp import build_module
 
 
 def _modules(tmp_path, arch):

@@ -1,9 +1,9 @@
 """spec_ngram: the pool, greedy losslessness on the embedded model, sampling through the core sampler."""
 
 import pytest
+from specdec_ngram import COPY_AGREEMENT, NGramConfig, NGramPool
 
 from specdec import LLM, SamplingParams, testing
-from specdec_ngram import COPY_AGREEMENT, NGramConfig, NGramPool
 
 TEXT = ("The Apollo program was the third United States human spaceflight program carried out by NASA, "
         "which accomplished landing the first humans on the Moon from 1969 to 1972. It was first conceived "

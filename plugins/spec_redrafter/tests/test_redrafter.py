@@ -3,9 +3,9 @@ output identical to plain greedy in float32 with drafts accepted, as beams and a
 sampled output follows the target's distribution."""
 
 import pytest
+from specdec_redrafter import SHIPPED_DRAFTER
 
 from specdec import testing
-from specdec_redrafter import SHIPPED_DRAFTER
 
 
 @pytest.mark.parametrize("mode, min_length", [

@@ -14,12 +14,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-
-from specdec import LLM, SamplingParams, testing
-from specdec.errors import ConfigError, ModelLoadError
 from specdec_redrafter import load_drafter
 from specdec_redrafter.checkpoint import drafter_shape
 from specdec_redrafter.model import top_k_scores
+
+from specdec import LLM, SamplingParams, testing
+from specdec.errors import ConfigError, ModelLoadError
 
 H, VOCAB = 64, 128
 

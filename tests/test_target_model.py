@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import reference_greedy, stock_model
 
+from conftest import reference_greedy, stock_model
 from specdec import LLM, SamplingParams, testing
 
 ARCHS = list(testing.TINY_ARCHITECTURES)

@@ -1,0 +1,160 @@
+"""The draft stage of a step: the decode items, each with the draft its drafter proposed.
+
+It asks the planner how much each request may draft, calls the drafter's hooks once for
+the batch, checks and trims what comes back, reserves KV for it and builds its
+verification mask; after verification it hands the results to the drafter. A drafter
+fault (an exception, a malformed proposal or mask) costs the requests concerned their
+drafts this step, never output: it is counted per kind and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pluggy
+import torch
+
+from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
+from ..kvcache import KVCacheManager
+from .draft_planner import DraftPlanner, StepShape
+from .request import Request
+from .step_items import StepItem
+
+log = logging.getLogger(__name__)
+
+
+class DraftStage:
+    """Drafts for the step's decoding requests (``planner`` None: no speculation)."""
+
+    def __init__(self, hooks: pluggy.HookRelay | None, planner: DraftPlanner | None, kv: KVCacheManager,
+                 vocab_size: int, max_model_len: int, method: str):
+        self.hooks = hooks
+        self.planner = planner
+        self.kv = kv
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.method = method
+        #: drafter faults by kind (the requests' ``num_drafter_faults`` summed)
+        self.faults: dict[str, int] = {}
+        #: seconds the drafter took in the last step
+        self.seconds = 0.0
+        self._warned: set[str] = set()
+
+    def draft_budget(self, batch_size: int) -> int:
+        """Draft nodes the scheduler keeps room for per decoding request."""
+        return self.planner.draft_budget(batch_size) if self.planner is not None else 0
+
+    def decode_items(self, reqs: list[Request], allowances: list[int], batch_size: int,
+                     before_drafts: StepShape) -> list[StepItem]:
+        """One item per request in ``reqs``, with the draft worth verifying where there is one."""
+        self.seconds = 0.0
+        if self.planner is None or self.hooks is None or not reqs:
+            return [StepItem.decode(req) for req in reqs]
+        shapes = self.planner.shapes(reqs, allowances, batch_size, self.max_model_len, before_drafts)
+        proposals = self._propose(reqs, shapes)
+        if any(p is not None for p in proposals):
+            proposals = self.planner.trim(reqs, proposals, before_drafts)
+        items = []
+        for req, prop in zip(reqs, proposals):
+            if prop is not None and not self.kv.can_reserve(req, 1 + len(prop.token_ids) + len(prop.aux_token_ids)):
+                prop = None  # no KV room for drafts now: decode one token
+            mask = None if prop is None else self._tree_mask(req, prop)
+            if mask is None:
+                items.append(StepItem.decode(req))
+                continue
+            item = StepItem.decode(req, prop, mask)
+            self.kv.reserve(req, len(item.tokens))
+            items.append(item)
+        return items
+
+    def observe(self, results: list[StepResult]) -> None:
+        """Hand the step's results to the drafter's hooks (``on_draft_verified``)."""
+        if self.hooks is None:
+            return
+        try:
+            with torch.inference_mode():
+                self.hooks.on_draft_verified(results=results)
+        except Exception as exc:  # the drafter's state may be off: costs speed, never output
+            self._fault([r.request for r in results], "on_draft_verified raised", exc)
+
+    def _propose(self, reqs: list[Request], shapes: list[tuple[int, int]]) -> list[DraftProposal | None]:
+        """The drafter's proposals for the requests given a depth, each checked and trimmed
+        to its shape (None: no draft)."""
+        proposals: list[DraftProposal | None] = [None] * len(reqs)
+        speculating = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
+        if not speculating:
+            return proposals
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():  # drafters run no autograd
+                got = self.hooks.prepare_draft_tokens(requests=[reqs[i] for i in speculating],
+                                                      draft_lens=[shapes[i][0] for i in speculating],
+                                                      max_nodes=[shapes[i][1] for i in speculating])
+            if got is not None and (not isinstance(got, (list, tuple)) or len(got) != len(speculating)):
+                raise TypeError(f"returned {got!r:.80} for {len(speculating)} requests; expected a list with "
+                                "one proposal or None per request")
+        except Exception as exc:  # a failing drafter costs speed, never output
+            self._fault([reqs[i] for i in speculating], "prepare_draft_tokens raised", exc)
+            got = None
+        self.seconds = time.perf_counter() - started
+        self.planner.observe_drafting(max(shapes[i][0] for i in speculating), self.seconds,
+                                      trees=any(shapes[i][1] > shapes[i][0] for i in speculating))
+        answered = []  # requests whose drafter answered without a fault
+        for i, prop in zip(speculating, got or []):
+            reqs[i].metrics.draft_time += self.seconds / len(speculating)
+            problem = None if prop is None else proposal_problem(prop, self.vocab_size)
+            if problem:
+                self._fault([reqs[i]], "invalid proposal", problem)
+                continue
+            answered.append(i)
+            if prop is not None:
+                proposals[i] = self._trimmed(prop, *shapes[i])
+        self.planner.observe_asks([reqs[i] for i in answered], [proposals[i] for i in answered])
+        return proposals
+
+    def _trimmed(self, prop: DraftProposal, max_depth: int, max_nodes: int) -> DraftProposal | None:
+        """``prop`` cut to the allowed depth and node count; None if nothing is left.
+        Nodes come parents first, so the first ``max_nodes`` of them are a tree (drafters
+        list their best nodes first)."""
+        if not (prop.token_ids or prop.aux_token_ids):
+            return None
+        if prop.depth > max_depth:
+            if not prop.is_chain:
+                self._log_once("depth", "drafter proposed a tree of depth %d > draft length %d; trimmed",
+                               prop.depth, max_depth)
+            prop = prop.up_to_depth(max_depth)
+        if prop is not None and len(prop.token_ids) > max_nodes:
+            self._log_once("nodes", "drafter proposed %d nodes > max_total_draft_tokens %d; trimmed to its "
+                           "first nodes", len(prop.token_ids), max_nodes)
+            prop = prop.subset(list(range(max_nodes)))
+        return prop if prop is not None and (prop.token_ids or prop.aux_token_ids) else None
+
+    def _tree_mask(self, req: Request, prop: DraftProposal) -> TreeMask | None:
+        """The proposal's verification mask, or None (a drafter fault: no drafts this step)."""
+        try:
+            mask = self.hooks.build_tree_mask(request=req, proposal=prop)
+            problem = tree_mask_problem(mask, 1 + len(prop.token_ids) + len(prop.aux_token_ids))
+        except Exception as exc:
+            problem = exc
+        if problem is None:
+            return mask
+        self._fault([req], "build_tree_mask failed", problem)
+        return None
+
+    def _fault(self, reqs: list[Request], kind: str, problem) -> None:
+        """Count a drafter fault on each request and log the first of each kind."""
+        for req in reqs:
+            req.metrics.num_drafter_faults += 1
+        self.faults[kind] = self.faults.get(kind, 0) + len(reqs)
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.error("%s drafter: %s (%s); those requests decode without drafts this step; counted in "
+                      "num_drafter_faults, logged once per kind", self.method, kind,
+                      f"{type(problem).__name__}: {problem}" if isinstance(problem, BaseException) else problem,
+                      exc_info=problem if isinstance(problem, BaseException) else None)
+
+    def _log_once(self, kind: str, message: str, *args) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(message + " (logged once)", *args)

@@ -1,0 +1,96 @@
+"""The verify stage: from the step's logits, the tokens each request keeps.
+
+A drafted request keeps the longest path of its draft that the target accepts, then one
+token of the target's own (the bonus or correction token): greedy requests by argmax
+(every plain-greedy row of the step in one batched comparison), sampled requests by
+recursive rejection sampling, so output follows the target's distribution. An opt-in
+lossy acceptance rule (Medusa's typical, MTP's relaxed acceptance) verifies what is in its
+scope and marks the request not lossless. A prompt chunk that ends the prompt draws the
+first output token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafting import StepResult
+from ..sampler import (
+    Verdict,
+    apply_repetition_penalty,
+    probs_from_logits,
+    verify_greedy,
+    verify_greedy_batch,
+    verify_sampled,
+)
+from ..sampling_params import SamplingParams
+from .request import Request
+from .step_items import StepItem
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    return params.greedy and params.repetition_penalty == 1.0
+
+
+class Verifier:
+    def __init__(self, acceptance_rule=None):
+        self.acceptance_rule = acceptance_rule
+
+    def verify(self, items: list[StepItem], logits: torch.Tensor) -> list[StepResult]:
+        """One result per item: the tokens it keeps, with its accepted draft nodes and the
+        target logits of its aux tokens."""
+        greedy = self._greedy_verdicts(items, logits)
+        results = []
+        for it in items:
+            req = it.request
+            if it.is_prefill:
+                new = [] if not it.num_logits else (
+                    greedy[id(it)].tokens if id(it) in greedy else self._sample_first(req, it, logits))
+                results.append(StepResult(request=req, new_token_ids=new, is_prefill=True, start=it.start))
+                continue
+            verdict = greedy.get(id(it)) or self._verify(req, it, logits)
+            aux = None
+            if it.proposal is not None and it.proposal.aux_token_ids:
+                first_aux = it.logits_from + 1 + it.num_nodes
+                aux = logits[first_aux:first_aux + len(it.proposal.aux_token_ids)]
+            results.append(StepResult(request=req, new_token_ids=verdict.tokens, proposal=it.proposal,
+                                      start=it.start, accepted_nodes=verdict.accepted_nodes, aux_logits=aux))
+        return results
+
+    def _greedy_verdicts(self, items: list[StepItem], logits: torch.Tensor) -> dict[int, Verdict]:
+        """Verdicts of every plain-greedy item, prefill or decode, from one batched verification."""
+        chosen = [it for it in items if it.num_logits and _plain_greedy(it.request.sampling_params)
+                  and (it.proposal is None or self.acceptance_rule is None)]
+        if not chosen:
+            return {}
+        rows = torch.cat([torch.arange(it.logits_from, it.logits_from + 1 + it.num_nodes) for it in chosen])
+        argmax = logits.argmax(-1).index_select(0, rows.to(logits.device))
+        verdicts = verify_greedy_batch(argmax, [it.proposal for it in chosen])
+        return {id(it): v for it, v in zip(chosen, verdicts)}
+
+    @staticmethod
+    def _probs(req: Request, logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
+        params = req.sampling_params
+        return probs_from_logits(apply_repetition_penalty(logits, histories, params.repetition_penalty), params)
+
+    def _sample_first(self, req: Request, it: StepItem, logits: torch.Tensor) -> list[int]:
+        probs = self._probs(req, logits[it.logits_from:it.logits_from + 1], [req.token_ids])
+        return verify_sampled(probs, None, req.generator).tokens
+
+    def _verify(self, req: Request, it: StepItem, logits: torch.Tensor) -> Verdict:
+        params, prop = req.sampling_params, it.proposal
+        histories = [req.token_ids]
+        if prop is not None:
+            paths: list[list[int]] = []
+            for tok, parent in zip(prop.token_ids, prop.parents):
+                paths.append((paths[parent] if parent >= 0 else []) + [tok])
+            histories += [req.token_ids + p for p in paths]
+        rows = logits[it.logits_from:it.logits_from + 1 + it.num_nodes]
+        probs = self._probs(req, rows, histories)
+        if prop is not None and self.acceptance_rule is not None:
+            verdict = self.acceptance_rule.verify(probs, rows, prop, req)
+            if verdict is not None:  # None: outside the rule's scope, verified exactly below
+                req.metrics.lossless = False
+                return verdict
+        if params.greedy:  # greedy with a repetition penalty, or outside a lossy rule's scope
+            return verify_greedy(probs.argmax(-1).tolist(), prop)
+        return verify_sampled(probs, prop, req.generator)
