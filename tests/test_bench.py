@@ -1,9 +1,12 @@
 """`specdec bench` end to end on the embedded model."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 
 def specdec(*args):
@@ -195,6 +198,8 @@ def test_table_notes_batched_outputs_that_differ_from_plain():
         assert ("note: outputs of ngram differ" in table.getvalue()) == noted
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed: pip install 'specdec[llama-cpp]'")
 def test_bench_llama_cpp_beside_an_int4_target(tmp_path):
     """llama.cpp runs the GGUF file the embedded model comes from, in the same interleaved run."""
     out = tmp_path / "r.json"
