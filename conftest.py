@@ -1,8 +1,15 @@
 """Options of the whole test suite (tests, plugins, examples)."""
 
 import contextlib
+import os
 
 import pytest
+import torch
+
+# Under pytest-xdist (``-n N``) each worker gets its share of the cores, so that N workers
+# do not oversubscribe them; alone, the suite takes two threads, as CI's machine has.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _workers))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -301,7 +301,7 @@ class TargetModel:
                          specdec_sequence=sequence).logits
 
         # Dynamo keeps graphs per code object: one of this target's own, since its graphs
-        # are not guarded on the modules (those checks took 1-1.5 ms a call; the engine never
+        # are not guarded on the modules (the checks cost time every call; the engine never
         # changes the target's modules once compiled) and would serve another target's calls.
         logits.__code__ = logits.__code__.replace()
         self._compiled = torch.compile(
@@ -343,13 +343,9 @@ class TargetModel:
         compiled_step.meta = meta
         try:
             # Set for the call, where compiling happens (freezing passed as an option of
-            # torch.compile left the weights unpacked here, torch 2.13). Without the checks
-            # inductor adds after every operator it does not generate (sizes, strides,
-            # alignment: ~450 a step), an int4 decode step took 11.9 ms against 12.3 (two
-            # targets compiled in one process, their steps interleaved; a scratch A/B). The
-            # products that share an input (q/k/v, gate/up) run as one on the CPU: int4
-            # decode 3% faster (4 packed products a layer instead of 7), a bfloat16
-            # 16-token verification 9% (same kind of A/B).
+            # torch.compile left the weights unpacked, torch 2.13). Without the size, stride
+            # and alignment checks inductor adds after every operator it does not generate,
+            # a step is faster; the products that share an input (q/k/v, gate/up) run as one.
             with torch._inductor.config.patch({"freezing": self.device.type == "cpu", "size_asserts": False,
                                                "alignment_asserts": False, "scalar_asserts": False,
                                                "cpp.enable_concat_linear": True}):

@@ -321,10 +321,12 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
         return sum(probs[t] * marginal(prefix + [t], steps - 1) for t in torch.nonzero(probs).flatten().tolist())
 
     exact = marginal(list(prompt), position)
-    llm = LLM(model=str(model), dtype="float32", device=device, engine=engine, speculative_config=options)
+    # the n seeded requests run as one batch: each has its own generator, so batching them
+    # changes no request's distribution, and the batched step is the one serving runs
+    llm = LLM(model=str(model), dtype="float32", device=device, engine={"max_batch_size": 64, **(engine or {})},
+              speculative_config=options)
     counts, accepted = torch.zeros_like(exact), 0
-    for seed in range(n):
-        out = llm.generate([prompt], attrs.evolve(params, seed=seed))[0]
+    for out in llm.generate([prompt] * n, [attrs.evolve(params, seed=seed) for seed in range(n)]):
         counts[out.token_ids[position]] += 1
         accepted += out.metrics.num_accepted_tokens
     p_value = chi_square_p_value(counts, exact, n)

@@ -12,7 +12,6 @@ import pytest  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=UserWarning)
-torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session")

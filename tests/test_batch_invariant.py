@@ -231,6 +231,7 @@ def test_bfloat16_speculative_greedy_equals_plain_greedy(method):
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0, "nothing was accepted: the check proves nothing"
 
 
+@pytest.mark.slow
 def test_bfloat16_answers_through_the_server_under_32_streams_equal_answers_alone(tmp_path, bf16_ngram):
     from openai import OpenAI
 

@@ -41,6 +41,7 @@ def test_bench_builtin_sets_table_json_and_plots(tmp_path):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_user_jsonl_and_its_errors(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "Repeat: red green blue. red green blue.", "category": "repeat"}) + "\n"

@@ -33,6 +33,7 @@ def _forwards(target: TargetModel) -> list[tuple[torch.Tensor, dict]]:
     return out
 
 
+@pytest.mark.slow
 def test_the_compiled_forward_gives_the_eager_logits_and_hidden_states(tiny_models):
     results = []
     for compiled in (False, True):
@@ -103,6 +104,7 @@ def test_compile_with_batch_invariant_is_a_config_error():
         LLM(engine={"compile": True, "batch_invariant": True})
 
 
+@pytest.mark.slow
 def test_targets_compiled_in_one_process_keep_their_own_graphs(tiny_models):
     """Each target's graphs hold its own frozen weights: two models compiled side by side
     answer as they do eagerly (Gemma 2's soft-capping and sliding window go through the

@@ -62,7 +62,7 @@ def test_steps_no_graph_holds_run_eagerly_and_show_in_metrics(tiny_models):
     want = LLM(model=str(tiny_models["llama"]), dtype="float32", device="cpu").generate([[5, 6, 7]], params)
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32", device="cpu")
     engine = llm.engine
-    engine.cuda_graphs = CudaGraphs(engine.target, engine.kv.cache, 16, max_model_len=256, max_batch=8)
+    engine.forward.cuda_graphs = CudaGraphs(engine.target, engine.kv.cache, 16, max_model_len=256, max_batch=8)
     got = llm.generate([[5, 6, 7]], params)
     assert got[0].token_ids == want[0].token_ids
     assert engine.cuda_graphs.eager_steps == got[0].metrics.num_steps + 1 > 1  # the prompt's step, then decodes

@@ -54,6 +54,7 @@ def test_packed_kernels_compute_each_row_alone(dtype):
     assert rows_are_independent(Int8Linear.from_weight(weight, None, dtype), 576, dtype, max_rows=40)
 
 
+@pytest.mark.slow
 def test_gguf_blocks_are_the_files_own_weights(smol_hf):
     """The embedded Q4_1 file's blocks, taken as they are, equal transformers' dequantization
     of it; its Q8_0 embedding, rounded a few thousand rows at a time, equals the whole float32
@@ -93,6 +94,7 @@ def test_quantized_tiny_target_greedy_lossless(tiny_models, mode):
                                   engine={"quantization": mode}, device="cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_embedded_int4_greedy_lossless_with_trained_drafters(smol_int4, method):
     """The shipped drafters read the quantized head and embedding; output equals the int4 target's."""

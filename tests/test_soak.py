@@ -42,6 +42,7 @@ def stream(base: str, i: int) -> str | None:
     raise AssertionError(f"client {i}: the stream ended without [DONE]")
 
 
+@pytest.mark.slow
 def test_sixty_four_streams_with_disconnects_and_preemption(small_server, smol):
     with ThreadPoolExecutor(64) as pool:
         texts = list(pool.map(lambda i: stream(small_server, i), range(64)))

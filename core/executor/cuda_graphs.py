@@ -1,7 +1,7 @@
 """CUDA graphs of the target forward (``engine.cuda_graphs``).
 
-On a GPU a step of an 8B model is host-bound: about 1,400 kernel launches of ~11 us each
-around 8-10 ms of GPU work (BENCHMARKS.md, "GPU"). A graph replays a captured forward's
+On a GPU a step is often host-bound: a transformers forward launches over a thousand
+kernels from Python. A graph replays a captured forward's
 launches in one call, but holds fixed shapes and addresses. So a step is padded into a
 bucket, ``batch`` sequences of ``width`` new tokens each: its sequences up to the next
 batch bucket, each sequence's new tokens up to the widest rounded up to a width bucket.

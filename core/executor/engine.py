@@ -107,12 +107,11 @@ class Engine:
                                else paged_attention_is_triton(target.device))
         self._padded_attention = not attention_is_kernel
         self._tree_batch = self.batch_invariant and not attention_is_kernel
-        #: the target forward through CUDA graphs where a step fits one (``engine.cuda_graphs``)
-        self.cuda_graphs = (CudaGraphs(target, cache, config.block_size, self.max_model_len, config.max_batch_size)
-                            if config.cuda_graphs else None)
         self.drafts = DraftStage(self.hooks, self.planner, self.kv, target.vocab_size, self.max_model_len,
                                  spec.decoding_type if spec is not None else "drafter")
-        self.forward = PackedForward(target, self.kv, self.batch_invariant, self.cuda_graphs)
+        graphs = (CudaGraphs(target, cache, config.block_size, self.max_model_len, config.max_batch_size)
+                  if config.cuda_graphs else None)
+        self.forward = PackedForward(target, self.kv, self.batch_invariant, graphs)
         self.verifier = Verifier(spec.acceptance_rule(target.tokenizer) if spec is not None else None)
         self.outputs = OutputProcessor(target.eos_token_ids, target.tokenizer, self.max_model_len)
         self.kv_commit = KVCommit(self.kv, self.hidden_cache, target.device)
@@ -120,6 +119,11 @@ class Engine:
         self.totals = RequestMetrics()
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
+
+    @property
+    def cuda_graphs(self) -> CudaGraphs | None:
+        """The target forward through CUDA graphs where a step fits one (``engine.cuda_graphs``)."""
+        return self.forward.cuda_graphs
 
     @property
     def drafter_faults(self) -> dict[str, int]:

@@ -5,10 +5,8 @@ without bfloat16 instructions (``bf16_linear.cpp``).
 
 Why a kernel of our own: the torch version (:func:`.invariant.invariant_attention_torch`)
 must lay every key row out as plain decoding does and reduce over it with library
-products, about a dozen operations a group of rows and two dozen for a step's draft trees;
-on a 2-core AVX-512 CPU that dispatch was most of the attention's time (an 11-node tree
-step of the embedded model 52.9 ms in the mode against 36.0 stock; 34.7 with this kernel,
-BENCHMARKS.md "Bit-exact bfloat16"). The kernel walks each token's own key row in column
+products, about a dozen operations a group of rows and two dozen for a step's draft trees,
+and on a small CPU that dispatch is most of the attention's time. The kernel walks each token's own key row in column
 order, as the Triton kernel does on CUDA, so a tree node costs what a chain token costs.
 Where no compiler is found the torch version is used (logged once);
 ``SPECDEC_KERNELS=torch`` asks for it. One of the two serves a process for good: a token's
@@ -99,9 +97,7 @@ def invariant_attention_cpu(query: torch.Tensor, key_pool: torch.Tensor, value_p
 # products, and torch 2.13 multiplies a bfloat16 ``F.linear`` one row at a time: on a 2-core
 # AVX2 EPYC a 16-token step of the embedded model cost 7.8 decodes, so verifying drafts cost
 # more than they brought. The kernel widens each weight element once per call and multiplies
-# it by every row with FMA instructions: 16 rows of the MLP's down projection in 0.52 against
-# 1.55 ms, the LM head in 16 against 56 ms, one row no slower (``scripts/bench_cpu_linear.py``,
-# BENCHMARKS.md, "bfloat16 on CPUs without bfloat16 instructions"). Not bit-identical to
+# it by every row with FMA instructions (``scripts/bench_cpu_linear.py`` times it). Not bit-identical to
 # ``F.linear``; batch-invariant by construction (every output summed in one order whatever
 # the row count).
 

@@ -1,12 +1,11 @@
 """Batch-invariant numerics: a token's result depends on nothing but its own sequence.
 
 Why this is needed: matrix-multiply libraries pick their kernel by shape, and different
-kernels add the same products in different orders. On this repository's CPU (torch 2.13,
-oneDNN), a bfloat16 ``linear`` whose reduction is longer than 1024 (an MLP's down
-projection) gives a row a different result once five or more rows share the call, and
-float32 ``matmul`` rounds differently for 1-3 rows than for 4, 8 or 12 and more; the
-attention's key count changes the result too. So in bfloat16 a greedy answer changed with
-the number of drafts verified with it and with the requests batched beside it.
+kernels add the same products in different orders: a row's result changes with the number
+of rows sharing the call (oneDNN's bfloat16 ``linear`` over long reductions, float32
+``matmul`` at small row counts), and the attention's with the key count. So in bfloat16 a
+greedy answer could change with the drafts verified beside it and the requests batched
+with it.
 
 The mode fixes the shape of every reduction a token goes through, so that only the
 batch dimension varies (which no kernel reorders):
@@ -25,19 +24,15 @@ batch dimension varies (which no kernel reorders):
   summed :data:`KEY_BLOCK` keys at a time, the block sums added in order, so the
   reduction over keys has a fixed length whatever the row's width. A draft tree's nodes
   are computed together (:func:`_tree_attention`): their rows share the context, so its
-  keys and values are gathered once, not once per node (a step of eight sequences, three
-  of them 16-node trees over 230 tokens: 566 ms with a row per node, 193 ms so, 60 ms
-  without the trees; ``scripts/profile_step.py --batch-invariant --curve``), and all the
-  step's trees in one batch (eight 4-node trees over 300 tokens: 2.0x the time of eight
-  decodes, 3.2x one tree at a time; the stock numerics 1.6x). Kernels read the same key
+  keys and values are gathered once, not once per node, and all the step's trees run as
+  one batch. Kernels read the same key
   rows instead where they run: Triton on CUDA (``invariant_attention_triton``), C++ on the
   CPU (:mod:`.cpu`, compiled at first use); each walks one query's row in column order,
   so no library's choice of kernel enters and a tree node costs what a chain token costs.
   The torch version here serves where neither is built.
 
-Why CUDA has its own paths: on an H100 (torch 2.11, cuBLAS) the CPU's version of the mode
-passed its component checks (rows up to 64, the test layouts), yet the embedded model's
-bfloat16 greedy answers with drafts differed from plain ones.
+CUDA has its own paths: cuBLAS chooses kernels by shape in ways the CPU's plans do not
+cover.
 """
 
 from __future__ import annotations
@@ -205,9 +200,7 @@ def mode_costs_nothing(model: torch.nn.Module, layer_shapes: list[tuple[int, int
     is what ``engine.batch_invariant: auto`` asks: every weight matrix an ``nn.Linear`` whose
     product :func:`linear_costs_nothing` (or an embedding, which only gathers; an MoE's fused
     expert tensors are neither), every layer's key and value dimensions in whole vectors of
-    the C++ attention kernel (``layer_shapes`` as the KV cache's), and that kernel built.
-    Measured so on a 2-core AVX2 EPYC (the linear kernel) and a 2-core AVX-512 BF16 Xeon
-    (oneDNN products, rows padded to four), BENCHMARKS.md "Bit-exact bfloat16"."""
+    the C++ attention kernel (``layer_shapes`` as the KV cache's), and that kernel built."""
     if not cpu.kernel_available():
         return False
     if not all(key_dim % cpu.LANES == 0 and value_dim % cpu.LANES == 0 for _, key_dim, value_dim in layer_shapes):

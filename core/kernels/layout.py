@@ -33,9 +33,8 @@ def width_group(num_new: int) -> int:
 GROUP_PAIRS = 4096
 KEY_GATHER_PAIRS = 4
 #: What the batch-invariant torch attention (not its kernels) pays, on top, for a step's draft
-#: trees: it runs them as one batch of two dozen operations a layer of their own (a tree of four nodes
-#: beside seven decodes cost 7-12 ms more than a chain of four at contexts 100-500, four
-#: such trees 10-14 ms more; ``scripts/profile_step.py --batch-invariant --curve``).
+#: trees: it runs them as one batch of two dozen operations a layer of their own
+#: (``scripts/profile_step.py --batch-invariant --curve`` measures it).
 TREE_BATCH_PAIRS = 4 * GROUP_PAIRS
 
 

@@ -15,9 +15,7 @@ Options (defaults in brackets; TensorRT-LLM's names):
         max_total_draft_tokens [10] best nodes by cumulative log-probability are verified
         (:class:`specdec.config.TreeDraftConfig`); with ``adaptive`` on (the default), each
         step and request gets the tree or the chain, whichever pays more by live
-        estimates. ``use_dynamic_tree: false`` drafts chains only. Measured on the embedded
-        model (BENCHMARKS.md, MTP): acceptance 2.21 against the adaptive chain's 1.70 on
-        the open-ended built-in prompts, 1.58x plain against 1.34x.
+        estimates. ``use_dynamic_tree: false`` drafts chains only.
     num_nextn_predict_layers [1]: modules used from the checkpoint. specdec drafts with
         the first (as SGLang does for DeepSeek); more would need a draft cache per module.
     draft_kv_cache_blocks [1024]: the module's KV pool, in blocks of 16 tokens.

@@ -38,18 +38,15 @@ from specdec.config import SpeculativeConfig, in_range
 from specdec.errors import FieldError
 
 #: tokens before a draft that agree with its place, from which the request counts as
-#: copying. Without the distinction, ngram's drafts on the diverse set at batch 8 were
-#: accepted at 0.37-0.39 per position beyond the fourth: most of them coincidental
-#: three-token matches of requests that did not copy, verified deep on the rates of the
-#: requests that did; told apart, and drafted from the place agreeing longest, 0.52-0.70
-#: (BENCHMARKS.md, session 32)
+#: copying: coincidental three-token matches of a request that does not copy are a kind of
+#: their own, so they are not verified deep on the acceptance of requests that copy
 COPY_AGREEMENT = 8
 
 
 @attrs.frozen(kw_only=True)
 class NGramConfig(SpeculativeConfig):
-    # Longer than the core default: verifying 12 tokens costs little more than 4 on CPU in
-    # bfloat16, and copied spans are long (benchmarks/compare_hf.py, BENCHMARKS.md).
+    # Longer than the core default: copied spans are long, and the planner verifies only
+    # the depth that pays.
     max_draft_len: int = attrs.field(default=12, validator=in_range(1, 64))
     max_matching_ngram_size: int = attrs.field(default=3, validator=in_range(1, 32))
     min_matching_ngram_size: int = attrs.field(default=1, validator=in_range(1, 32))
