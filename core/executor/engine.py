@@ -94,6 +94,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv)
         #: every rule of how much each request drafts (None without speculation)
         self.planner = DraftPlanner.for_config(spec) if spec is not None else None
+        self._adaptive = self.planner is not None and self.planner.adaptive
         #: the batch-invariant numerics mode, ``engine.batch_invariant`` resolved
         self.batch_invariant = resolve_batch_invariant(config, target)
         log.info("engine.batch_invariant: %s (%s)", "on" if self.batch_invariant else "off", config.batch_invariant)
@@ -213,7 +214,7 @@ class Engine:
         if plan.empty:
             return []
         items = [StepItem.prefill(req, n) for req, n in plan.prefills]
-        before_drafts = self._shape(items, plan.decodes) if self.planner is not None else None
+        before_drafts = self._shape(items, plan.decodes) if self._adaptive else None
         items += self.drafts.decode_items(plan.decodes, plan.draft_allowance,                    # draft
                                           len(self.scheduler.running), before_drafts)
         logits, hidden = self.forward(items)                                                      # forward
@@ -231,7 +232,7 @@ class Engine:
     def _observe(self, items: list[StepItem], results: list[StepResult], outputs: list[StepOutput],
                  started: float) -> None:
         """Metrics, the planner and the drafter learn from the step; finished requests leave.
-        The planner's cost model learns the step's time without drafting."""
+        An adaptive planner's cost model learns the step's time without drafting."""
         for it, res, out in zip(items, results, outputs):
             if it.is_prefill:
                 continue
@@ -243,7 +244,7 @@ class Engine:
         for out in outputs:
             if out.finished:
                 self._finish(out.request, out.request.finish_reason)
-        if self.planner is not None:
+        if self._adaptive:
             sequences = [(it.start, len(it.tokens)) for it in items]
             widest = max((len(it.tokens) for it in items if not it.is_prefill), default=1)
             trees = self._tree_batch and any(it.proposal is not None and it.proposal.verified_as_tree for it in items)
