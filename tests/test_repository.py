@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -27,5 +29,16 @@ def test_ruff_finds_nothing():
 def test_the_documentation_builds_strictly(tmp_path):
     result = run(str(BIN / "mkdocs"), "build", "--strict", "--site-dir", str(tmp_path / "site"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "site" / "reference" / "configuration" / "index.html").exists()
-    assert (tmp_path / "site" / "reference" / "hooks" / "index.html").exists()
+    site = tmp_path / "site"
+    configuration = (site / "reference" / "configuration" / "index.html").read_text()
+    hooks = (site / "reference" / "hooks" / "index.html").read_text()
+    # generated from the code: every key of the engine's config and every hook, with its docs
+    from specdec import hookspecs
+    from specdec.config import EngineConfig
+
+    for field in attrs.fields(EngineConfig):
+        assert f"<code>{field.name}</code>" in configuration, field.name
+    assert "the registered name of the method" in configuration  # a field's docstring text
+    for name in ("register_decoding_types", "prepare_draft_tokens", "build_tree_mask", "on_draft_verified"):
+        assert name in hooks and hasattr(hookspecs, name)
+    assert "Called once per process" in hooks

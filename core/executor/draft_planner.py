@@ -24,7 +24,8 @@ speculation comes back when it would pay again. Probes, and proposals of aux tok
 step's estimated time that halves after each probe that led to no paying draft: a batch
 whose drafts never pay loses at most that share. Until a few drafts were verified, one
 request a step verifies its draft, since the batch's acceptance is a guess until then.
-Measurements behind these rules: BENCHMARKS.md, "Speculation that never loses".
+The runs behind these rules: "Speculation that never loses" in the benchmark diary
+(``git show dd80fd5:BENCHMARKS.md``).
 """
 
 from __future__ import annotations

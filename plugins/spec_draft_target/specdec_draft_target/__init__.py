@@ -1,8 +1,8 @@
 """Draft-target speculation: a smaller model drafts, the target verifies.
 
 Options (defaults in brackets):
-    max_draft_len [2]: draft tokens per step (one draft-model forward each); 2 measured
-        best with the shipped draft on the embedded model (BENCHMARKS.md).
+    max_draft_len [2]: draft tokens per step (one draft-model forward each); the best with
+        the shipped draft on the embedded model.
     speculative_model [the shipped draft on the embedded model, else none]: a model
         directory or .gguf with the target's vocabulary (checked at load: a mismatched
         tokenizer is an error naming both models), or a directory `specdec train

@@ -24,7 +24,7 @@ from specdec.draft_checkpoint import (
     save_tensors,
 )
 
-#: The draft shipped for the embedded SmolLM2-135M-Instruct (README, BENCHMARKS.md).
+#: The draft shipped for the embedded SmolLM2-135M-Instruct (docs/training.md).
 SHIPPED_DRAFT = Path(__file__).parent / "weights" / "smollm2-135m-instruct"
 WEIGHTS = "model.safetensors"
 

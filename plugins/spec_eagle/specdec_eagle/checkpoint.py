@@ -39,7 +39,7 @@ from specdec.errors import ModelLoadError
 
 from .modules import Eagle1Head, Eagle3Head, EagleHead
 
-#: Heads shipped for the embedded SmolLM2-135M-Instruct (README, BENCHMARKS.md).
+#: Heads shipped for the embedded SmolLM2-135M-Instruct (docs/training.md).
 SHIPPED_HEADS = {1: Path(__file__).parent / "weights" / "smollm2-135m-instruct-eagle",
                  3: Path(__file__).parent / "weights" / "smollm2-135m-instruct-eagle3"}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

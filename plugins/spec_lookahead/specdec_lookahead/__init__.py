@@ -11,7 +11,7 @@ Every step the target runs, beside the request's last token, two branches in one
   into a trie and verified by the core sampler (greedy, or rejection sampling with one-hot
   drafts, so the output is exact either way).
 
-Options (TensorRT-LLM's names; defaults measured on the embedded model, BENCHMARKS.md):
+Options (TensorRT-LLM's names; defaults the best measured on the embedded model):
     max_window_size [5] (W), max_ngram_size [4] (N), max_verification_set_size [5] (G),
     max_draft_len [3]: the verified depth, N - 1 for whole n-grams.
 """

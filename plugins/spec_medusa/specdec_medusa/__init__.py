@@ -33,7 +33,7 @@ from .drafter import MedusaDrafter
 from .heads import MedusaHeads
 from .trainer import MedusaTrainer
 
-#: The default tree (BENCHMARKS.md, "Medusa"): the best chain three deep and the runners-up
+#: The default tree: the best chain three deep and the runners-up
 #: where the shipped heads' acceptance said they pay.
 DEFAULT_CHOICES = [[0], [0, 0], [0, 0, 0], [1], [0, 1], [2], [1, 0]]
 

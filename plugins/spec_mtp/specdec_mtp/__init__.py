@@ -55,7 +55,7 @@ class MTPConfig(TreeDraftConfig):
     max_draft_len: int = attrs.field(default=3, validator=in_range(1, 64))
     use_dynamic_tree: bool = True
     dynamic_tree_max_topK: int = attrs.field(default=3, validator=in_range(1, 64))  # noqa: N815
-    dynamic_tree_nodes = 10  # measured on the embedded model (BENCHMARKS.md, MTP)
+    dynamic_tree_nodes = 10  # the best node budget on the embedded model
     speculative_model: str | None = None
     num_nextn_predict_layers: int = attrs.field(default=1)
     draft_kv_cache_blocks: int = attrs.field(default=1024, validator=in_range(1, None))
