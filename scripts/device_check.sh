@@ -40,7 +40,7 @@ transformers.__version__, 'triton', triton.__version__)"
     echo "== targeted tests done at ${SECONDS}s"
     if [ "${TIMINGS:-1}" = 1 ]; then
         # the attention kernel alone, for each shortest key split its plan may cut (a 16-node
-        # tree at batch 1 ran 3 splits, 24 programs, on 132 multiprocessors: session 35)
+        # tree at batch 1 runs few programs for the GPU's multiprocessors)
         python3 scripts/gpu_timings.py --shape llama-8b --parts attention --batches 1,8,32 \
             --attention-contexts 528,4096 --min-splits 64,128,256 --json "$OUT/attention.json" 2>&1 | grep -E '^(attention|#)'
         python3 scripts/gpu_timings.py --shape llama-8b --parts steps,generate,eagle3 --cuda-graphs --batches 1,8,32 \

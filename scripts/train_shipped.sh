@@ -67,7 +67,7 @@ dest=plugins/spec_mtp/specdec_mtp/weights/smollm2-135m-instruct-mtp
 mkdir -p "$dest"
 cp .train/mtp/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
 $PY scripts/store_int8.py "$dest/model.safetensors"
-# 8. (session 18) the MTP module fine-tuned on requests the target wrote itself: 2951 of them
+# 8. the MTP module fine-tuned on requests the target wrote itself: 2951 of them
 #    (scripts/make_self_instruct_prompts.py; none on a benchmark prompt's topic), answered in
 #    128 tokens, two epochs from the module of step 7 (`--init default`) at a third of its lr.
 $PY scripts/make_self_instruct_prompts.py --out training/self_instruct.jsonl --count 3000 --seed 1

@@ -96,7 +96,7 @@ def test_cost_model_recovers_a_step_cost_from_tokens_and_attention():
 
 def _fed_a_compiled_curve(costs: StepCostModel, one_token_steps: bool) -> StepCostModel:
     """A step of 27 ms for one token, 34 ms for two, then 1 ms per token: the shape of
-    the embedded model's compiled step in the steepest run measured (BENCHMARKS.md)."""
+    the embedded model's compiled step at its steepest."""
     rng = random.Random(2)
     for _ in range(150):
         tokens = 1 if one_token_steps and rng.random() < 0.4 else rng.randint(2, 17)
