@@ -17,9 +17,7 @@ from .sampling_params import MAX_LOGPROBS, SamplingParams
 MAX_CHOICES = 64
 #: OpenAI request fields specdec does not implement, each with the values that leave it off.
 #: Other values are refused (422), not ignored: the answer would not be what was asked for.
-UNSUPPORTED_FIELDS = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
-                      "best_of": (1,), "tools": ([],), "response_format": ({"type": "text"},),
-                      "suffix": ("",)}
+UNSUPPORTED_FIELDS = {"best_of": (1,), "tools": ([],), "response_format": ({"type": "text"},), "suffix": ("",)}
 
 
 class _SamplingFields(BaseModel):
@@ -32,6 +30,10 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's: no EOS or stop token before this many
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -41,8 +43,7 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(self):
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED_FIELDS and value is not None and value not in UNSUPPORTED_FIELDS[name]:
-                hint = " (repetition_penalty is the penalty specdec applies)" if name.endswith("_penalty") else ""
-                raise ValueError(f"{name}={value!r} is not supported by specdec{hint}; leave it out")
+                raise ValueError(f"{name}={value!r} is not supported by specdec; leave it out")
         return self
 
 
@@ -106,7 +107,8 @@ class ChatRequest(_SamplingFields):
 def sampling_params_of(body: CompletionRequest | ChatRequest, defaults: SamplingParams) -> SamplingParams:
     """The request's sampling parameters: the server's defaults with what the body sets."""
     given = {k: getattr(body, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                                           "repetition_penalty", "seed", "stop") if getattr(body, k) is not None}
+                                           "repetition_penalty", "frequency_penalty", "presence_penalty",
+                                           "logit_bias", "min_tokens", "seed", "stop") if getattr(body, k) is not None}
     return attrs.evolve(defaults, **given, logprobs=body.logprobs_asked(),
                         prompt_logprobs=body.prompt_logprobs_asked())
 

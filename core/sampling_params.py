@@ -36,6 +36,14 @@ def _check_stop(inst, attribute, value):
             raise FieldError(attribute.name, f"each stop string must be a non-empty string, got {stop!r}")
 
 
+def _check_logit_bias(inst, attribute, value):
+    for token, bias in (value or {}).items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise FieldError(attribute.name, f"keys must be token ids (integers >= 0), got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise FieldError(attribute.name, f"values must be numbers in [-100, 100], got {bias!r} for token {token}")
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to pick tokens for one request.
@@ -57,6 +65,12 @@ class SamplingParams:
             position (0: the generated token's alone; at most 20); None: none.
         prompt_logprobs: the same for every prompt token after the first (vLLM's name);
             such a request does not reuse the prefix cache, since cached tokens are not run.
+        frequency_penalty: subtracted from a token's logit once per time it occurs in the
+            output so far (OpenAI's; -2 to 2).
+        presence_penalty: subtracted from the logit of every token the output holds so far
+            (OpenAI's; -2 to 2).
+        logit_bias: token id -> a value added to its logit (OpenAI's; -100 to 100).
+        min_tokens: EOS and ``stop_token_ids`` are not sampled before this many output tokens.
     """
 
     max_tokens: int = attrs.field(default=64, validator=_check_range(1, None))
@@ -71,7 +85,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = attrs.field(default=None, validator=_check_range(0, MAX_LOGPROBS))
     prompt_logprobs: int | None = attrs.field(default=None, validator=_check_range(0, MAX_LOGPROBS))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_check_range(-2.0, 2.0))
+    presence_penalty: float = attrs.field(default=0.0, validator=_check_range(-2.0, 2.0))
+    logit_bias: dict[int, float] | None = attrs.field(default=None, hash=False, validator=_check_logit_bias)
+    min_tokens: int = attrs.field(default=0, validator=_check_range(0, None))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the target's logits are changed before sampling (penalties, biases,
+        ``min_tokens``): each verified position then needs its own history."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias) or self.min_tokens > 0)

@@ -292,7 +292,8 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     The empirical distribution of output token ``position`` (the second token, the first
     one verified against drafts, by default) over ``n`` seeds is compared (chi-square) with
     its exact distribution, computed from the stock model by summing over every earlier
-    output (keep ``top_k`` small). The drafter drafts every step unless ``options`` say
+    output (keep ``top_k`` small), after the penalties and biases ``params`` ask for
+    (not ``min_tokens``, which needs the model's EOS ids). The drafter drafts every step unless ``options`` say
     ``adaptive: true`` (see :func:`check_greedy_lossless`). With ``engine`` options that
     quantize the target, the exact distribution is the quantized model's. Returns the
     p-value and the number of accepted draft tokens (a test should check drafts were
@@ -303,7 +304,7 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
 
     from .api import LLM
     from .models import quantize_target
-    from .sampler import probs_from_logits
+    from .sampler import probs_from_logits, shape_logits
 
     params = params or SamplingParams(temperature=1.0, top_k=5)
     params = attrs.evolve(params, max_tokens=position + 2, ignore_eos=True)
@@ -315,7 +316,8 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
 
     @torch.no_grad()
     def marginal(prefix: list[int], steps: int) -> torch.Tensor:
-        probs = probs_from_logits(ref(torch.tensor([prefix])).logits[0, -1:], params)[0]
+        logits = shape_logits(ref(torch.tensor([prefix])).logits[0, -1:], [prefix], params, len(prompt), frozenset())
+        probs = probs_from_logits(logits, params)[0]
         if steps == 0:
             return probs
         return sum(probs[t] * marginal(prefix + [t], steps - 1) for t in torch.nonzero(probs).flatten().tolist())

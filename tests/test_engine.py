@@ -571,3 +571,72 @@ def test_prompt_logprobs_score_every_prompt_token_across_chunks_and_the_prefix_c
         assert next(iter(entry)) == token and len(entry) in (2, 3)
         for t, value in entry.items():
             assert value == pytest.approx(float(row[t]), abs=1e-4)
+
+
+PENALIZED = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, frequency_penalty=2.0,
+                           presence_penalty=2.0, repetition_penalty=1.3, logit_bias={7: 3.0, 11: -100.0})
+
+
+def penalized_reference(model, prompt: list[int], params: SamplingParams, n: int) -> list[int]:
+    """Greedy continuation of the stock model with OpenAI's penalties written out step by step."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq])).logits[0, -1].float()
+            seen = torch.tensor(sorted(set(seq)))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / params.repetition_penalty,
+                                       logits[seen] * params.repetition_penalty)
+            for token in set(seq[len(prompt):]):
+                logits[token] -= params.frequency_penalty * seq[len(prompt):].count(token) + params.presence_penalty
+            for token, bias in params.logit_bias.items():
+                logits[token] += bias
+            seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_penalties_and_biases_are_lossless_under_speculation(tiny_models, tree):
+    """Frequency, presence and repetition penalties and logit_bias depend on the tokens before
+    each verified position: with drafts accepted, the output equals plain decoding's, which
+    equals the stock model's greedy continuation with the penalties written out."""
+    from conftest import stock_model
+
+    prompts = [[3, 4, 5, 6, 7, 3, 4, 5, 6, 7], [20, 21, 22, 20, 21, 22, 20], [9, 8, 9, 8, 9], [40, 41, 42]]
+    plain = LLM(model=str(tiny_models["llama"]), dtype="float32").generate(prompts, PENALIZED)
+    reference = stock_model(tiny_models["llama"])
+    for prompt, out in zip(prompts, plain):
+        assert out.token_ids == penalized_reference(reference, prompt, PENALIZED, PENALIZED.max_tokens)
+        assert 11 not in out.token_ids
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32", speculative_config={
+        "decoding_type": "user", "drafter": "helpers:OracleDrafter", "max_draft_len": 6, "adaptive": False,
+        "options": {"tree": tree, "seed": 3}})
+    llm.drafter.oracle.update({tuple(p): o.token_ids for p, o in zip(prompts, plain)})
+    outs = llm.generate(prompts, PENALIZED)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 5
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(tiny_models):
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32")
+    prompt = [[3, 4, 5]]
+    first = llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0].token_ids[0]
+    short = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(first,)))[0]
+    assert short.token_ids == [first] and short.finish_reason == "stop"
+    held = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(first,),
+                                               min_tokens=5))[0]
+    assert first not in held.token_ids[:5] and len(held.token_ids) >= 5
+    with pytest.raises(RequestError, match="logit_bias"):
+        llm.generate(prompt, SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_sampled_output_with_penalties_follows_the_penalized_target(tiny_models):
+    from specdec import testing
+
+    prompt = list(range(3, 11)) * 2
+    params = SamplingParams(temperature=1.0, top_k=5, frequency_penalty=1.5, presence_penalty=0.5,
+                            logit_bias={12: 2.0})
+    # position 2: the first token sampled from a draft node's row, whose history holds a drafted token
+    _, accepted = testing.check_sampling_lossless({"decoding_type": "ngram", "max_draft_len": 4},
+                                                  tiny_models["llama"], prompt, n=800, params=params, position=2,
+                                                  device="cpu")
+    assert accepted > 0

@@ -6,12 +6,15 @@ and compare their empirical joint distribution with the exact one (chi-square). 
 deliberately wrong rule must fail the same test.
 """
 
+from math import inf
+
 import pytest
 import torch
 
 import specdec.sampler.acceptance as acceptance
 from specdec import DraftProposal, SamplingParams
-from specdec.sampler import probs_from_logits, verify_greedy, verify_sampled
+from specdec.errors import FieldError
+from specdec.sampler import probs_from_logits, shape_logits, verify_greedy, verify_sampled
 
 
 def test_greedy_chain_and_tree():
@@ -25,6 +28,29 @@ def test_greedy_chain_and_tree():
     verdict = verify_greedy([5, 0, 8, 0, 9, 2], tree)
     assert verdict.accepted_nodes == [1, 3, 4] and verdict.tokens == [5, 8, 9, 2]
     assert verify_greedy([7, 0, 0, 0, 0, 0], tree).tokens == [7]
+
+
+def test_penalties_biases_and_min_tokens_shape_each_row_from_its_own_history():
+    """OpenAI's frequency and presence penalties count the output only (after the prompt),
+    logit_bias adds to every row, min_tokens bans EOS and the stop ids while the output is
+    short; each row depends on its own history alone."""
+    logits = torch.zeros(3, 6)
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, logit_bias={5: 2.0}, min_tokens=2,
+                            stop_token_ids=(4,))
+    histories = [[1, 2], [1, 2, 3], [1, 2, 3, 3, 1]]  # prompt [1, 2]; outputs [], [3], [3, 3, 1]
+    got = shape_logits(logits, histories, params, prompt_len=2, end_ids={0})
+    want = torch.tensor([
+        [-inf, 0, 0, 0, -inf, 2],  # no output yet: EOS (0) and the stop id (4) banned
+        [-inf, 0, 0, -0.75, -inf, 2],  # one 3: 0.5 + 0.25
+        [0, -0.75, 0, -1.25, 0, 2],  # two 3s: 2 * 0.5 + 0.25; the prompt's 1 does not count, the output's does
+    ])
+    assert torch.equal(got, want)
+    assert torch.equal(logits, torch.zeros(3, 6))  # the caller's logits are left alone
+    assert shape_logits(logits, histories, SamplingParams(), 2, {0}) is logits  # nothing asked: nothing done
+    with pytest.raises(FieldError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101})
+    with pytest.raises(FieldError, match="frequency_penalty"):
+        SamplingParams(frequency_penalty=2.5)
 
 
 def test_logits_processing():

@@ -113,7 +113,8 @@ class Engine:
         graphs = (CudaGraphs(target, cache, config.block_size, self.max_model_len, config.max_batch_size)
                   if config.cuda_graphs else None)
         self.forward = PackedForward(target, self.kv, self.batch_invariant, graphs)
-        self.verifier = Verifier(spec.acceptance_rule(target.tokenizer) if spec is not None else None)
+        self.verifier = Verifier(target.eos_token_ids,
+                                 spec.acceptance_rule(target.tokenizer) if spec is not None else None)
         self.outputs = OutputProcessor(target.eos_token_ids, target.tokenizer, self.max_model_len)
         self.kv_commit = KVCommit(self.kv, self.hidden_cache, target.device)
         self.requests: dict[str, Request] = {}
@@ -176,6 +177,11 @@ class Engine:
         bad = [t for t in token_ids if not 0 <= t < self.target.vocab_size]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                               f"(0..{self.target.vocab_size - 1})")
+        bad = [t for t in list(params.logit_bias or {}) + list(params.stop_token_ids)
+               if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} in logit_bias or stop_token_ids are outside the vocabulary "
                                f"(0..{self.target.vocab_size - 1})")
         if len(token_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(token_ids)} tokens but the context holds {self.max_model_len} "

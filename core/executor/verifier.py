@@ -14,25 +14,19 @@ from __future__ import annotations
 import torch
 
 from ..drafting import StepResult
-from ..sampler import (
-    Verdict,
-    apply_repetition_penalty,
-    probs_from_logits,
-    verify_greedy,
-    verify_greedy_batch,
-    verify_sampled,
-)
+from ..sampler import Verdict, probs_from_logits, shape_logits, verify_greedy, verify_greedy_batch, verify_sampled
 from ..sampling_params import SamplingParams
 from .request import Request
 from .step_items import StepItem
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    return params.greedy and params.repetition_penalty == 1.0
+    return params.greedy and not params.shapes_logits
 
 
 class Verifier:
-    def __init__(self, acceptance_rule=None):
+    def __init__(self, eos_token_ids: frozenset[int] | set[int], acceptance_rule=None):
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.acceptance_rule = acceptance_rule
 
     def verify(self, items: list[StepItem], logits: torch.Tensor) -> list[StepResult]:
@@ -67,10 +61,9 @@ class Verifier:
         verdicts = verify_greedy_batch(argmax, [it.proposal for it in chosen])
         return {id(it): v for it, v in zip(chosen, verdicts)}
 
-    @staticmethod
-    def _probs(req: Request, logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
+    def _probs(self, req: Request, logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
         params = req.sampling_params
-        return probs_from_logits(apply_repetition_penalty(logits, histories, params.repetition_penalty), params)
+        return probs_from_logits(shape_logits(logits, histories, params, req.prompt_len, self.eos_token_ids), params)
 
     def _sample_first(self, req: Request, it: StepItem, logits: torch.Tensor) -> list[int]:
         probs = self._probs(req, logits[it.logits_from:it.logits_from + 1], [req.token_ids])
@@ -91,6 +84,6 @@ class Verifier:
             if verdict is not None:  # None: outside the rule's scope, verified exactly below
                 req.metrics.lossless = False
                 return verdict
-        if params.greedy:  # greedy with a repetition penalty, or outside a lossy rule's scope
+        if params.greedy:  # greedy with penalties or biases, or outside a lossy rule's scope
             return verify_greedy(probs.argmax(-1).tolist(), prop)
         return verify_sampled(probs, prop, req.generator)

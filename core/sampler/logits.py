@@ -1,6 +1,8 @@
 """Logits processing, applied identically to target and draft distributions.
 
-Order (as in vLLM and transformers): repetition penalty, temperature, top-k, top-p, min-p.
+Order (as in vLLM and transformers): the request's penalties, biases and ``min_tokens``
+(:func:`shape_logits`, on the target's rows, each with its own history), then
+temperature, top-k, top-p, min-p.
 """
 
 from __future__ import annotations
@@ -20,6 +22,30 @@ def apply_repetition_penalty(logits: torch.Tensor, histories: list[list[int]], p
         ids = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
         seen = logits[row, ids]
         logits[row, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
+
+
+def shape_logits(logits: torch.Tensor, histories: list[list[int]], params: SamplingParams, prompt_len: int,
+                 end_ids: frozenset[int] | set[int]) -> torch.Tensor:
+    """The logits a request samples from: row ``i`` after the repetition penalty (over
+    ``histories[i]``, the prompt and the output before the row's token), the frequency and
+    presence penalties (over the output part, ``histories[i][prompt_len:]``), ``logit_bias``,
+    and, while the output is shorter than ``min_tokens``, ``end_ids`` (EOS and the stop
+    token ids) made impossible. Each row depends on its own history only, so a verified
+    draft position gets what plain decoding would have given it there."""
+    if not params.shapes_logits:
+        return logits
+    logits = apply_repetition_penalty(logits.float().clone(), histories, params.repetition_penalty)
+    for row, history in enumerate(histories):
+        output = history[prompt_len:]
+        if (params.frequency_penalty or params.presence_penalty) and output:
+            ids, counts = torch.tensor(output, device=logits.device).unique(return_counts=True)
+            logits[row, ids] -= params.frequency_penalty * counts.float() + params.presence_penalty
+        if len(output) < params.min_tokens:
+            logits[row, sorted(end_ids | set(params.stop_token_ids))] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        logits[:, ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device)
     return logits
 
 
