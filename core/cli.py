@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import yaml
 
 from .config import QUANTIZATIONS, SpecdecConfig
 from .config_loading import config_from_dict, load_config, merge_overrides, unstructure
-from .errors import SpecdecError
+from .errors import ConfigError, SpecdecError
 from .plugins import get_registry
 
 
@@ -239,7 +240,11 @@ def _trainable_methods() -> str:
 def cmd_serve(args) -> int:
     from .server import serve
 
-    serve(_build_llm(_resolve_config(args)), host=args.host, port=args.port)
+    api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
+    if args.protect_all and api_key is None:
+        raise ConfigError("--protect-all needs an API key: --api-key KEY or SPECDEC_API_KEY")
+    serve(_build_llm(_resolve_config(args)), host=args.host, port=args.port, api_key=api_key,
+          protect_all=args.protect_all)
     return 0
 
 
@@ -318,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route "
+                                     "(default: the SPECDEC_API_KEY environment variable; none: open)")
+    p.add_argument("--protect-all", action="store_true", help="require the API key on /health and /metrics too")
     _add_model_options(p)
     p.set_defaults(func=cmd_serve)
     return parser

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 import uuid
 
@@ -155,7 +156,10 @@ async def _merged(streams: list):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def create_app(llm: LLM) -> FastAPI:
+def create_app(llm: LLM, api_key: str | None = None, protect_all: bool = False) -> FastAPI:
+    """The server's app. With ``api_key``, every ``/v1`` route (and, with ``protect_all``,
+    ``/health`` and ``/metrics`` too) answers only requests that carry
+    ``Authorization: Bearer <api_key>``; others get OpenAI's 401."""
     engine = AsyncEngine(llm)
     stats = ServerMetrics(llm.engine)
     model_name = llm.target.name
@@ -170,6 +174,18 @@ def create_app(llm: LLM) -> FastAPI:
 
     app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
+
+    @app.middleware("http")
+    async def require_api_key(request: HTTPRequest, call_next):
+        guarded = request.url.path.startswith("/v1") or (protect_all and request.url.path in ("/health", "/metrics"))
+        if api_key is not None and guarded:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+                stats.requests.labels("error").inc()
+                return JSONResponse(status_code=401, content={"error": {
+                    "message": "missing or wrong API key: send the server's key as 'Authorization: Bearer KEY'",
+                    "type": "invalid_request_error", "code": "invalid_api_key"}})
+        return await call_next(request)
 
     @app.exception_handler(SpecdecError)
     async def specdec_error(_request, exc: SpecdecError):
@@ -314,7 +330,8 @@ def create_app(llm: LLM) -> FastAPI:
     return app
 
 
-def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          protect_all: bool = False) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(llm), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(llm, api_key, protect_all), host=host, port=port, log_level="info")

@@ -400,9 +400,11 @@ def check_shipped_sampling(options: dict, n: int = 250) -> int:
 
 
 @contextlib.contextmanager
-def running_server(config: str, directory: str | Path) -> Iterator[str]:
+def running_server(config: str, directory: str | Path, args: tuple[str, ...] = (),
+                   env: dict | None = None) -> Iterator[str]:
     """`specdec serve` with ``config`` (YAML text, written into ``directory``) on a free
-    loopback port, in a subprocess: yields its base URL, stops it on exit."""
+    loopback port, in a subprocess, with more command-line ``args`` and ``env`` variables:
+    yields its base URL, stops it on exit."""
     import httpx
 
     cfg = Path(directory) / "cfg.yaml"
@@ -410,15 +412,15 @@ def running_server(config: str, directory: str | Path) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-c", str(cfg), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-c", str(cfg), "--port", str(port),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
         while True:
             try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{base}/health", timeout=1).status_code in (200, 401):
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)

@@ -337,3 +337,29 @@ def test_metrics_are_prometheus_exposition_with_histograms(server):
                 if s.name.endswith("_total")}
     steps = [s.value for s in families["specdec_target_steps"].samples if s.name.endswith("_total")][0]
     assert by_depth and sum(by_depth.values()) == steps  # every decode step counted under its draft depth
+
+
+def test_an_api_key_guards_every_v1_route(tmp_path, smol):
+    """`specdec serve` with SPECDEC_API_KEY: the openai client with the key is answered, a
+    wrong or missing key gets OpenAI's 401 on every /v1 route, /health and /metrics stay open;
+    --protect-all guards them too."""
+    from fastapi.testclient import TestClient
+    from openai import AuthenticationError, OpenAI
+
+    from specdec.server import create_app
+
+    with running_server("dtype: float32\nsampling: {temperature: 0, max_tokens: 4}\n", tmp_path,
+                        env={"SPECDEC_API_KEY": "sk-right"}) as base:
+        messages = [{"role": "user", "content": "Say hi."}]
+        good = OpenAI(base_url=f"{base}/v1", api_key="sk-right")
+        assert good.chat.completions.create(model="any", messages=messages).choices[0].message.content == \
+            smol.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))[0].text
+        with pytest.raises(AuthenticationError, match="API key"):
+            OpenAI(base_url=f"{base}/v1", api_key="sk-wrong").chat.completions.create(model="any", messages=messages)
+        for path, method in (("/v1/models", "get"), ("/v1/completions", "post"), ("/v1/chat/completions", "post")):
+            r = getattr(httpx, method)(f"{base}{path}", **({"json": {}} if method == "post" else {}))
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
+    with TestClient(create_app(smol, api_key="k", protect_all=True)) as client:
+        assert client.get("/health").status_code == 401 and client.get("/metrics").status_code == 401
+        assert client.get("/health", headers={"Authorization": "Bearer k"}).status_code == 200
