@@ -238,13 +238,14 @@ def _trainable_methods() -> str:
 
 
 def cmd_serve(args) -> int:
-    from .server import serve
+    from .server import ServerOptions, serve
 
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     if args.protect_all and api_key is None:
         raise ConfigError("--protect-all needs an API key: --api-key KEY or SPECDEC_API_KEY")
-    serve(_build_llm(_resolve_config(args)), host=args.host, port=args.port, api_key=api_key,
-          protect_all=args.protect_all)
+    options = ServerOptions(api_key=api_key, protect_all=args.protect_all, max_body_bytes=args.max_body_bytes,
+                            max_waiting=args.max_waiting, allowed_origins=tuple(args.allowed_origin))
+    serve(_build_llm(_resolve_config(args)), host=args.host, port=args.port, options=options)
     return 0
 
 
@@ -326,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route "
                                      "(default: the SPECDEC_API_KEY environment variable; none: open)")
     p.add_argument("--protect-all", action="store_true", help="require the API key on /health and /metrics too")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
+    p.add_argument("--max-waiting", type=int, default=512,
+                   help="requests waiting for the engine beyond this get 429")
+    p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                   help="an origin browsers may call from (CORS; repeat for more; none by default)")
     _add_model_options(p)
     p.set_defaults(func=cmd_serve)
     return parser

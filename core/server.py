@@ -14,6 +14,7 @@ import secrets
 import time
 import uuid
 
+import attrs
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -156,10 +157,29 @@ async def _merged(streams: list):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def create_app(llm: LLM, api_key: str | None = None, protect_all: bool = False) -> FastAPI:
-    """The server's app. With ``api_key``, every ``/v1`` route (and, with ``protect_all``,
-    ``/health`` and ``/metrics`` too) answers only requests that carry
-    ``Authorization: Bearer <api_key>``; others get OpenAI's 401."""
+@attrs.frozen(kw_only=True)
+class ServerOptions:
+    """Who may use the server, and how much.
+
+    Attributes:
+        api_key: every ``/v1`` route answers only requests carrying ``Authorization:
+            Bearer <api_key>``; others get OpenAI's 401. None: open.
+        protect_all: ``/health`` and ``/metrics`` need the key too.
+        max_body_bytes: a request body larger than this is refused (413).
+        max_waiting: requests waiting for the engine beyond this are refused (429), so a
+            burst cannot queue without bound.
+        allowed_origins: origins a browser may call the server from (CORS); none by default.
+    """
+
+    api_key: str | None = None
+    protect_all: bool = False
+    max_body_bytes: int = 4 * 2**20
+    max_waiting: int = 512
+    allowed_origins: tuple[str, ...] = ()
+
+
+def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
     engine = AsyncEngine(llm)
     stats = ServerMetrics(llm.engine)
     model_name = llm.target.name
@@ -176,16 +196,26 @@ def create_app(llm: LLM, api_key: str | None = None, protect_all: bool = False) 
     app.state.engine = engine
 
     @app.middleware("http")
-    async def require_api_key(request: HTTPRequest, call_next):
-        guarded = request.url.path.startswith("/v1") or (protect_all and request.url.path in ("/health", "/metrics"))
-        if api_key is not None and guarded:
+    async def guard(request: HTTPRequest, call_next):
+        """The API key where it is required, then the body size."""
+        path = request.url.path
+        key = options.api_key
+        if key is not None and (path.startswith("/v1") or (options.protect_all and path in ("/health", "/metrics"))):
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
-                stats.requests.labels("error").inc()
-                return JSONResponse(status_code=401, content={"error": {
-                    "message": "missing or wrong API key: send the server's key as 'Authorization: Bearer KEY'",
-                    "type": "invalid_request_error", "code": "invalid_api_key"}})
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+                return _error_response(401, "missing or wrong API key: send the server's key as "
+                                            "'Authorization: Bearer KEY'", code="invalid_api_key")
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > options.max_body_bytes:
+            return _error_response(413, f"the request body has {size} bytes; this server takes at most "
+                                        f"{options.max_body_bytes} (specdec serve --max-body-bytes)")
         return await call_next(request)
+
+    if options.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(SpecdecError)
     async def specdec_error(_request, exc: SpecdecError):
@@ -202,11 +232,13 @@ def create_app(llm: LLM, api_key: str | None = None, protect_all: bool = False) 
             problems.append(f"{field}: {message}" if field else message)
         return _error_response(422, "; ".join(problems))
 
-    def _error_response(status: int, message: str) -> JSONResponse:
+    def _error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
         """A refused request in OpenAI's error shape, counted in /metrics."""
         stats.requests.labels("error").inc()
-        return JSONResponse(status_code=status, content={"error": {"message": message,
-                                                                   "type": "invalid_request_error"}})
+        error = {"message": message, "type": "invalid_request_error"}
+        if code is not None:
+            error["code"] = code
+        return JSONResponse(status_code=status, content={"error": error})
 
     @app.get("/health")
     async def health():
@@ -223,6 +255,18 @@ def create_app(llm: LLM, api_key: str | None = None, protect_all: bool = False) 
 
         return Response(stats.render(), media_type=CONTENT_TYPE_LATEST)
 
+    in_flight = [0]  # requests submitted and not finished (the event loop's own count: no race with the engine)
+
+    async def _counted(updates, count: int):
+        """``updates``, with their ``count`` requests counted in flight until they end."""
+        in_flight[0] += count
+        try:
+            async for update in updates:
+                yield update
+        finally:
+            in_flight[0] -= count
+            await updates.aclose()
+
     async def run(http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, n: int, chat: bool,
                   stream: bool, echoes: list[str] | None = None):
         """One response: ``n`` choices of each prompt (OpenAI's order: prompt by prompt), each
@@ -234,7 +278,12 @@ def create_app(llm: LLM, api_key: str | None = None, protect_all: bool = False) 
         items = [(ids, nth_sample(params, j)) for ids in prompts for j in range(n)]
         for ids, item_params in items:  # all first: a bad prompt is a 400 before any is queued
             llm.engine.check_request(ids, item_params)
-        updates = _merged([engine.generate(ids, item_params) for ids, item_params in items])
+        waiting = max(0, in_flight[0] - llm.config.engine.max_batch_size)
+        if waiting + len(items) > options.max_waiting:
+            return _error_response(429, f"{waiting} requests are waiting and this one adds {len(items)}; the server "
+                                        f"queues at most {options.max_waiting} (specdec serve --max-waiting): "
+                                        "retry later")
+        updates = _counted(_merged([engine.generate(ids, item_params) for ids, item_params in items]), len(items))
         finals: dict[int, tuple] = {}  # choice index -> (request, its latest update)
         logprobs: list[list] = [[] for _ in items]  # per choice, its tokens' logprobs not yet sent
         echoed = [echoes[i // n] if echoes else "" for i in range(len(items))]
@@ -330,8 +379,7 @@ def create_app(llm: LLM, api_key: str | None = None, protect_all: bool = False) 
     return app
 
 
-def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          protect_all: bool = False) -> None:
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(llm, api_key, protect_all), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(llm, options), host=host, port=port, log_level="info")

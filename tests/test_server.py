@@ -346,7 +346,7 @@ def test_an_api_key_guards_every_v1_route(tmp_path, smol):
     from fastapi.testclient import TestClient
     from openai import AuthenticationError, OpenAI
 
-    from specdec.server import create_app
+    from specdec.server import ServerOptions, create_app
 
     with running_server("dtype: float32\nsampling: {temperature: 0, max_tokens: 4}\n", tmp_path,
                         env={"SPECDEC_API_KEY": "sk-right"}) as base:
@@ -360,6 +360,35 @@ def test_an_api_key_guards_every_v1_route(tmp_path, smol):
             r = getattr(httpx, method)(f"{base}{path}", **({"json": {}} if method == "post" else {}))
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
         assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
-    with TestClient(create_app(smol, api_key="k", protect_all=True)) as client:
+    with TestClient(create_app(smol, ServerOptions(api_key="k", protect_all=True))) as client:
         assert client.get("/health").status_code == 401 and client.get("/metrics").status_code == 401
         assert client.get("/health", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_limits_answer_413_429_and_cors_only_where_configured(tmp_path, smol):
+    """A body over --max-body-bytes gets 413 and a burst beyond --max-waiting 429, each in
+    OpenAI's error shape, and the server keeps serving; browsers get CORS headers only from
+    the origins given with --allowed-origin."""
+    import asyncio
+
+    with running_server("dtype: float32\nengine: {max_batch_size: 1}\nsampling: {temperature: 0, max_tokens: 24}\n",
+                        tmp_path, args=("--max-body-bytes", "2000", "--max-waiting", "2",
+                                        "--allowed-origin", "https://app.example")) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x" * 3000, "max_tokens": 1})
+        assert r.status_code == 413 and "max-body-bytes" in r.json()["error"]["message"]
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*[client.post(f"{base}/v1/completions",
+                                                          json={"prompt": f"Count to {i}:", "n": 2})
+                                              for i in range(4)])
+
+        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        assert 429 in codes and 200 in codes, codes
+        ok = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200
+        allowed = httpx.options(f"{base}/v1/models", headers={"Origin": "https://app.example",
+                                                              "Access-Control-Request-Method": "GET"})
+        assert allowed.headers.get("access-control-allow-origin") == "https://app.example"
+        other = httpx.get(f"{base}/v1/models", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
