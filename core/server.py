@@ -255,16 +255,17 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
 
         return Response(stats.render(), media_type=CONTENT_TYPE_LATEST)
 
-    in_flight = [0]  # requests submitted and not finished (the event loop's own count: no race with the engine)
+    in_flight = 0  # requests submitted and not finished (the event loop's own count: no race with the engine)
 
     async def _counted(updates, count: int):
         """``updates``, with their ``count`` requests counted in flight until they end."""
-        in_flight[0] += count
+        nonlocal in_flight
+        in_flight += count
         try:
             async for update in updates:
                 yield update
         finally:
-            in_flight[0] -= count
+            in_flight -= count
             await updates.aclose()
 
     async def run(http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, n: int, chat: bool,
@@ -278,7 +279,7 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
         items = [(ids, nth_sample(params, j)) for ids in prompts for j in range(n)]
         for ids, item_params in items:  # all first: a bad prompt is a 400 before any is queued
             llm.engine.check_request(ids, item_params)
-        waiting = max(0, in_flight[0] - llm.config.engine.max_batch_size)
+        waiting = max(0, in_flight - llm.config.engine.max_batch_size)
         if waiting + len(items) > options.max_waiting:
             return _error_response(429, f"{waiting} requests are waiting and this one adds {len(items)}; the server "
                                         f"queues at most {options.max_waiting} (specdec serve --max-waiting): "

@@ -94,7 +94,6 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv)
         #: every rule of how much each request drafts (None without speculation)
         self.planner = DraftPlanner.for_config(spec) if spec is not None else None
-        self._adaptive = self.planner is not None and self.planner.adaptive
         #: the batch-invariant numerics mode, ``engine.batch_invariant`` resolved
         self.batch_invariant = resolve_batch_invariant(config, target)
         log.info("engine.batch_invariant: %s (%s)", "on" if self.batch_invariant else "off", config.batch_invariant)
@@ -121,6 +120,10 @@ class Engine:
         self.totals = RequestMetrics()
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(seed)
+
+    @property
+    def _adaptive(self) -> bool:
+        return self.planner is not None and self.planner.adaptive
 
     @property
     def cuda_graphs(self) -> CudaGraphs | None:

@@ -12,19 +12,6 @@ import torch
 from ..sampling_params import SamplingParams
 
 
-def apply_repetition_penalty(logits: torch.Tensor, histories: list[list[int]], penalty: float) -> torch.Tensor:
-    """CTRL-style penalty: for tokens seen in a row's history, divide positive logits by
-    ``penalty`` and multiply negative ones. ``histories[i]`` is row i's prompt + output."""
-    if penalty == 1.0:
-        return logits
-    logits = logits.clone()
-    for row, history in enumerate(histories):
-        ids = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
-        seen = logits[row, ids]
-        logits[row, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
-    return logits
-
-
 def shape_logits(logits: torch.Tensor, histories: list[list[int]], params: SamplingParams, prompt_len: int,
                  end_ids: frozenset[int] | set[int]) -> torch.Tensor:
     """The logits a request samples from: row ``i`` after the repetition penalty (over
@@ -35,8 +22,13 @@ def shape_logits(logits: torch.Tensor, histories: list[list[int]], params: Sampl
     draft position gets what plain decoding would have given it there."""
     if not params.shapes_logits:
         return logits
-    logits = apply_repetition_penalty(logits.float().clone(), histories, params.repetition_penalty)
+    logits = logits.float().clone()
+    penalty = params.repetition_penalty
     for row, history in enumerate(histories):
+        if penalty != 1.0:  # CTRL's: positive logits of tokens seen are divided, negative ones multiplied
+            seen_ids = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
+            seen = logits[row, seen_ids]
+            logits[row, seen_ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
         output = history[prompt_len:]
         if (params.frequency_penalty or params.presence_penalty) and output:
             ids, counts = torch.tensor(output, device=logits.device).unique(return_counts=True)
