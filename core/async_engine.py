@@ -30,11 +30,13 @@ log = logging.getLogger(__name__)
 
 @attrs.define
 class Update:
-    """New tokens of a request, or its end (``finished``), or its failure (``error``), with
-    snapshots taken on the engine thread: ``text`` (the output so far, cut at a stop
-    string), ``num_output_tokens``, the log-probabilities of the new tokens where the request
-    asks for them (``new_logprobs``, as ``RequestOutput.logprobs`` holds them), and on the
-    last update ``finish_reason`` and a copy of the request's ``metrics``."""
+    """New tokens of a request, or its end (``finished``), or its failure (``error``;
+    ``bad_request``: caused by the request's own input, such as a grammar llguidance gave
+    up on, not by the engine), with snapshots taken on the engine thread: ``text`` (the
+    output so far, cut at a stop string), ``num_output_tokens``, the log-probabilities of
+    the new tokens where the request asks for them (``new_logprobs``, as
+    ``RequestOutput.logprobs`` holds them), and on the last update ``finish_reason`` and a
+    copy of the request's ``metrics``."""
 
     new_token_ids: list[int]
     finished: bool = False
@@ -44,6 +46,7 @@ class Update:
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
     new_logprobs: list[dict[int, float]] = attrs.Factory(list)
+    bad_request: bool = False
 
 
 class AsyncEngine:
@@ -104,9 +107,10 @@ class AsyncEngine:
     def _snapshot(self, req: Request, new_token_ids: list[int], error: str | None = None) -> Update:
         finished = req.finished
         logprobs = req.output_logprobs[len(req.output_logprobs) - len(new_token_ids):] if new_token_ids else []
-        return Update(list(new_token_ids), finished, error, text=self.llm.output_text(req),
+        return Update(list(new_token_ids), finished, error or req.error, text=self.llm.output_text(req),
                       num_output_tokens=req.num_output_tokens, finish_reason=req.finish_reason if finished else None,
-                      metrics=copy.deepcopy(req.metrics) if finished else None, new_logprobs=logprobs)
+                      metrics=copy.deepcopy(req.metrics) if finished else None, new_logprobs=logprobs,
+                      bad_request=error is None and req.error is not None)
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]

@@ -63,6 +63,8 @@ class CategoryResult:
                 "acceptance_length": self.metrics.acceptance_length,
                 "per_position_acceptance": self.metrics.per_position_acceptance,
                 "draft_time_share": self.metrics.draft_time / self.seconds if self.seconds else 0.0,
+                "grammar_ms_per_step": (1e3 * self.metrics.grammar_time / self.metrics.num_steps
+                                        if self.metrics.num_steps else 0.0),
                 "mean_draft_len": self.metrics.mean_draft_len,
                 "speculation_off_share": (self.metrics.num_steps_speculation_off / self.metrics.num_steps
                                           if self.metrics.num_steps else 0.0),
@@ -210,6 +212,10 @@ def print_table(report: dict, file=sys.stdout) -> None:
                   f"{r.get('acceptance_length', 0):>8.2f}{100 * r.get('draft_time_share', 0):>7.1f}%"
                   f"{r.get('mean_draft_len', 0):>6.1f}{100 * r.get('speculation_off_share', 0):>5.0f}%"
                   f"{r.get('drafter_faults', 0):>7}{r.get('identical_to_plain') or '-':>7}  {pos}", file=file)
+    if report.get("json_schema"):
+        costs = ", ".join(f"{method} {per_cat['all'].get('grammar_ms_per_step', 0):.2f}"
+                          for method, per_cat in report["results"].items())
+        print(f"every answer follows --json-schema; grammar masks, ms per decode step: {costs}", file=file)
     if differ and report.get("batch_size", 1) > 1:
         print(f"note: outputs of {', '.join(differ)} differ from plain decoding's (a token's logits change in "
               "their last bits with what shares its forward, and near-ties flip), so at batch > 1 their throughput "
@@ -274,7 +280,7 @@ def _with_all(per_cat: dict[str, CategoryResult]) -> dict[str, CategoryResult]:
 
 def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, categories: list[str] | None,
               batch_size: int, temperature: float, max_tokens: int, repetitions: int, compare_hf: bool,
-              assistant_layers: int = 6, compare_llama_cpp: bool = False) -> dict:
+              assistant_layers: int = 6, compare_llama_cpp: bool = False, json_schema: dict | None = None) -> dict:
     prompt_sets = load_jsonl(dataset) if dataset else {c: messages(c) for c in PROMPTS}
     if categories:
         unknown = sorted(set(categories) - set(prompt_sets))
@@ -286,7 +292,10 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
     if compare_llama_cpp and gguf is None:
         raise ValueError("--llama-cpp runs the GGUF file the target comes from: use the embedded model or "
                          "--model FILE.gguf")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
+    if json_schema is not None and (compare_hf or compare_llama_cpp):
+        raise ValueError("--json-schema constrains specdec's methods only: leave out --hf and --llama-cpp")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0,
+                            structured_outputs={"json": json_schema} if json_schema is not None else None)
     names = ["plain"] + [m for m in methods if m != "plain"]
     configs = dict(method_config(base, m) for m in names)
 
@@ -360,6 +369,7 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
     return {"model": plain.target.name, "dtype": str(plain.dtype).replace("torch.", ""), "device": str(plain.device),
             "quantization": base.engine.quantization, "threads": torch.get_num_threads(), "batch_size": batch_size,
             "temperature": temperature, "max_tokens": max_tokens, "repetitions": repetitions,
+            "json_schema": json_schema is not None,
             "categories": list(prompt_sets), "results": results,
             "batch_invariant": {label: llm.engine.batch_invariant for label, llm in llms.items()}}
 

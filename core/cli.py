@@ -177,13 +177,24 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def _json_schema(path: str | None) -> dict | None:
+    """The JSON schema in file ``path`` (None: none)."""
+    if path is None:
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecdecError(f"--json-schema {path}: {exc}") from None
+
+
 def cmd_bench(args) -> int:
     from .bench import numerics_line, plot, print_table, run_bench, write_json
 
     try:
         report = run_bench(_resolve_config(args), args.methods, args.dataset, args.categories, args.batch_size,
                            args.temperature if args.temperature is not None else 0.0, args.max_tokens or 128,
-                           args.repetitions, args.hf, args.assistant_layers, args.llama_cpp)
+                           args.repetitions, args.hf, args.assistant_layers, args.llama_cpp,
+                           _json_schema(args.json_schema))
     except (ValueError, OSError) as exc:
         raise SpecdecError(str(exc)) from None
     quantized = f" ({report['quantization']} weights)" if report["quantization"] else ""
@@ -244,7 +255,8 @@ def cmd_serve(args) -> int:
     if args.protect_all and api_key is None:
         raise ConfigError("--protect-all needs an API key: --api-key KEY or SPECDEC_API_KEY")
     options = ServerOptions(api_key=api_key, protect_all=args.protect_all, max_body_bytes=args.max_body_bytes,
-                            max_waiting=args.max_waiting, allowed_origins=tuple(args.allowed_origin))
+                            max_waiting=args.max_waiting, allowed_origins=tuple(args.allowed_origin),
+                            request_timeout=args.request_timeout)
     serve(_build_llm(_resolve_config(args)), host=args.host, port=args.port, options=options)
     return 0
 
@@ -285,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-cpp", action="store_true",
                    help="also run llama.cpp on the target's GGUF file: plain and prompt lookup (needs the "
                         "llama-cpp extra)")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="every answer follows this JSON schema (structured output; the report has the grammar "
+                        "masks' time per step)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--plots", help="write PNG plots into this directory")
     _add_model_options(p)
@@ -330,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="larger request bodies get 413")
     p.add_argument("--max-waiting", type=int, default=512,
                    help="requests waiting for the engine beyond this get 429")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a request still unfinished after this long is aborted: 504, or an error event when "
+                        "streamed (default: none)")
     p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
                    help="an origin browsers may call from (CORS; repeat for more; none by default)")
     _add_model_options(p)

@@ -8,16 +8,68 @@ import json
 from typing import Literal
 
 import attrs
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from .executor.metrics import RequestMetrics
-from .sampling_params import MAX_LOGPROBS, SamplingParams
+from .sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
 #: choices of one response (prompts x n): each is a request in the engine's batch
 MAX_CHOICES = 64
 #: OpenAI request fields specdec does not implement, each with the values that leave it off.
 #: Other values are refused (422), not ignored: the answer would not be what was asked for.
-UNSUPPORTED_FIELDS = {"best_of": (1,), "tools": ([],), "response_format": ({"type": "text"},), "suffix": ("",)}
+UNSUPPORTED_FIELDS = {"best_of": (1,), "tools": ([],), "suffix": ("",)}
+#: vLLM's older names of the ``structured_outputs`` fields
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, which every refused request gets."""
+
+    error: ErrorBody
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the schema the output follows."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("give json_schema exactly when type is 'json_schema'")
+        return self
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's ``structured_outputs``: one of a JSON schema, any JSON object, a regex, a
+    choice of strings, or a Lark/GBNF grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -29,7 +81,7 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
@@ -38,6 +90,35 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _structure: StructuredOutputs | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _one_structure(self):
+        """The grammar asked for, as :class:`StructuredOutputs` (a FieldError if malformed)."""
+        given = [name for name in ("structured_outputs", *GUIDED_FIELDS) if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} each ask for structured output; give one of them")
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            self._structure = StructuredOutputs(**{k: v for k, v in fields.items() if k != "json_object" or v})
+        elif given and given[0] in GUIDED_FIELDS:
+            self._structure = StructuredOutputs(**{GUIDED_FIELDS[given[0]]: getattr(self, given[0])})
+        elif given:
+            fmt = self.response_format
+            self._structure = (StructuredOutputs(json_object=True) if fmt.type == "json_object"
+                               else StructuredOutputs(json=fmt.json_schema.schema_))
+        return self
+
+    def structure_asked(self) -> StructuredOutputs | None:
+        return self._structure
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -49,6 +130,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: the prompt alone (scored with echo and logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top tokens a position (legacy form)
     echo: bool = False  # the prompt before each choice's text (and its tokens' logprobs, if asked)
 
@@ -110,7 +192,7 @@ def sampling_params_of(body: CompletionRequest | ChatRequest, defaults: Sampling
                                            "repetition_penalty", "frequency_penalty", "presence_penalty",
                                            "logit_bias", "min_tokens", "seed", "stop") if getattr(body, k) is not None}
     return attrs.evolve(defaults, **given, logprobs=body.logprobs_asked(),
-                        prompt_logprobs=body.prompt_logprobs_asked())
+                        prompt_logprobs=body.prompt_logprobs_asked(), structured_outputs=body.structure_asked())
 
 
 def logprobs_json(entries: list[dict[int, float]], num_top: int, chat: bool, decode, offset: int = 0) -> dict:

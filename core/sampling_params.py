@@ -6,6 +6,8 @@ import attrs
 
 from .errors import FieldError
 
+#: temperatures below this are greedy: dividing logits by them would overflow
+GREEDY_BELOW = 1e-5
 #: the most top tokens a request may ask log-probabilities of at each position (OpenAI's limit)
 MAX_LOGPROBS = 20
 
@@ -44,17 +46,75 @@ def _check_logit_bias(inst, attribute, value):
             raise FieldError(attribute.name, f"values must be numbers in [-100, 100], got {bias!r} for token {token}")
 
 
+def _choices(value) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class StructuredOutputs:
+    """A grammar the output must follow (vLLM's ``structured_outputs`` fields); exactly one
+    of them is given.
+
+    Attributes:
+        json: a JSON schema (a dict, or its text); the output is one JSON value it accepts.
+        json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+        regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar, in Lark or GBNF (llama.cpp's) syntax.
+    """
+
+    json: dict | str | None = attrs.field(default=None, hash=False)
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = attrs.field(default=None, converter=_choices)
+    grammar: str | None = None
+
+    def __attrs_post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise FieldError("structured_outputs", "give exactly one of json, json_object, regex, choice, grammar; "
+                                                   f"got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise FieldError("structured_outputs.json", f"must be a JSON schema (an object or its text), "
+                                                        f"got {type(self.json).__name__}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise FieldError("structured_outputs.choice", "must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise FieldError(f"structured_outputs.{name}", "must be a string")
+
+    @property
+    def kind(self) -> str:
+        """The field given."""
+        return "json_object" if self.json_object else next(
+            name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+
+def _structured_outputs(value) -> StructuredOutputs | None:
+    if isinstance(value, dict):
+        unknown = set(value) - {f.name for f in attrs.fields(StructuredOutputs)}
+        if unknown:
+            raise FieldError("structured_outputs", f"unknown fields {sorted(unknown)}; give one of json, "
+                                                   "json_object, regex, choice, grammar")
+        return StructuredOutputs(**value)
+    return value
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
     Attributes:
-        max_tokens: the most tokens to generate.
-        temperature: 0 means greedy; otherwise logits are divided by it.
+        max_tokens: the most tokens to generate; 0 runs the prompt alone (to score it with
+            ``prompt_logprobs``).
+        temperature: 0 means greedy (as does anything below 1e-5, whose division would
+            overflow, as in vLLM); otherwise logits are divided by it.
         top_k: keep the k most likely tokens (0: all).
         top_p: keep the smallest set of tokens whose probability reaches top_p.
         min_p: drop tokens whose probability is below min_p times the top probability.
-        repetition_penalty: >1 discourages tokens already in prompt or output (CTRL-style).
+        repetition_penalty: >1 discourages tokens already in prompt or output (CTRL-style);
+            0.01 to 100.
         seed: per-request seed; the same seed reproduces the same output.
         stop: strings that end generation (not included in the text).
         stop_token_ids: extra token ids that end generation.
@@ -71,14 +131,17 @@ class SamplingParams:
             (OpenAI's; -2 to 2).
         logit_bias: token id -> a value added to its logit (OpenAI's; -100 to 100).
         min_tokens: EOS and ``stop_token_ids`` are not sampled before this many output tokens.
+        structured_outputs: a grammar every output token must follow; the target's
+            distribution at each position is masked to the tokens it allows and
+            renormalised (logprobs too), and the output ends with EOS once it is complete.
     """
 
-    max_tokens: int = attrs.field(default=64, validator=_check_range(1, None))
+    max_tokens: int = attrs.field(default=64, validator=_check_range(0, None))
     temperature: float = attrs.field(default=1.0, validator=_check_range(0.0, None))
     top_k: int = attrs.field(default=0, validator=_check_range(0, None))
     top_p: float = attrs.field(default=1.0, validator=_check_range(0.0, 1.0, lo_open=True))
     min_p: float = attrs.field(default=0.0, validator=_check_range(0.0, 1.0))
-    repetition_penalty: float = attrs.field(default=1.0, validator=_check_range(0.0, None, lo_open=True))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_check_range(0.01, 100.0))
     seed: int | None = None
     stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str, validator=_check_stop)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
@@ -89,10 +152,17 @@ class SamplingParams:
     presence_penalty: float = attrs.field(default=0.0, validator=_check_range(-2.0, 2.0))
     logit_bias: dict[int, float] | None = attrs.field(default=None, hash=False, validator=_check_logit_bias)
     min_tokens: int = attrs.field(default=0, validator=_check_range(0, None))
+    structured_outputs: StructuredOutputs | None = attrs.field(default=None, hash=False,
+                                                               converter=_structured_outputs)
+
+    def __attrs_post_init__(self):
+        if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
+            raise FieldError("structured_outputs", "cannot be combined with ignore_eos or min_tokens: the grammar "
+                                                   "decides where the output ends")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def shapes_logits(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import time
 import uuid
@@ -18,7 +19,7 @@ import attrs
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .api import LLM
 from .async_engine import AsyncEngine
@@ -27,6 +28,7 @@ from .executor.metrics import RequestMetrics
 from .openai_protocol import (
     ChatRequest,
     CompletionRequest,
+    ErrorResponse,
     logprobs_json,
     nth_sample,
     sampling_params_of,
@@ -169,6 +171,8 @@ class ServerOptions:
         max_waiting: requests waiting for the engine beyond this are refused (429), so a
             burst cannot queue without bound.
         allowed_origins: origins a browser may call the server from (CORS); none by default.
+        request_timeout: seconds after which an unfinished request is aborted (504, or an
+            error event when streamed); None: no limit.
     """
 
     api_key: str | None = None
@@ -176,6 +180,55 @@ class ServerOptions:
     max_body_bytes: int = 4 * 2**20
     max_waiting: int = 512
     allowed_origins: tuple[str, ...] = ()
+    request_timeout: float | None = None
+
+
+class _TimedOut(Exception):
+    pass
+
+
+async def _within(updates, seconds: float | None):
+    """``updates`` until ``seconds`` have passed since the first was asked for; then
+    :class:`_TimedOut`, ``updates`` closed (which aborts its requests)."""
+    if seconds is None:
+        async for update in updates:
+            yield update
+        return
+    deadline = asyncio.get_running_loop().time() + seconds
+    while True:
+        try:
+            update = await asyncio.wait_for(anext(updates), deadline - asyncio.get_running_loop().time())
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            await updates.aclose()
+            raise _TimedOut from None
+        yield update
+
+
+def _error_json(status: int, message: str, code: str | None = None) -> JSONResponse:
+    """An error in OpenAI's shape (the caller counts the request in /metrics)."""
+    error = {"message": message, "type": "invalid_request_error" if status < 500 else "server_error"}
+    if code is not None:
+        error["code"] = code
+    return JSONResponse(status_code=status, content={"error": error})
+
+
+def _error_schema(description: str) -> dict:
+    return {"description": description, "model": ErrorResponse}
+
+
+#: every status the API routes answer besides 200, as OpenAPI documents them
+API_ERRORS = {
+    400: _error_schema("the request cannot be served as asked: the message says what to change"),
+    401: _error_schema("missing or wrong API key (servers started with --api-key)"),
+    413: _error_schema("the body is larger than --max-body-bytes"),
+    422: _error_schema("the body is not a valid request: the message names each field at fault"),
+    429: _error_schema("more requests are waiting than --max-waiting allows: retry later"),
+    499: _error_schema("the client disconnected before the answer was ready"),
+    500: _error_schema("a request failed in the engine"),
+    504: _error_schema("the request ran past --request-timeout and was aborted"),
+}
 
 
 def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
@@ -235,21 +288,21 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
     def _error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
         """A refused request in OpenAI's error shape, counted in /metrics."""
         stats.requests.labels("error").inc()
-        error = {"message": message, "type": "invalid_request_error"}
-        if code is not None:
-            error["code"] = code
-        return JSONResponse(status_code=status, content={"error": error})
+        return _error_json(status, message, code)
 
-    @app.get("/health")
+    open_errors = {401: API_ERRORS[401]} if options.protect_all else {}
+
+    @app.get("/health", responses=open_errors)
     async def health():
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: API_ERRORS[401]})
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "specdec",
                                             "created": 0}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus's text exposition format", "content": {"text/plain": {}}}, **open_errors})
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -271,20 +324,24 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
     async def run(http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, n: int, chat: bool,
                   stream: bool, echoes: list[str] | None = None):
         """One response: ``n`` choices of each prompt (OpenAI's order: prompt by prompt), each
-        choice a request of its own in the engine's batch; ``echoes``: per prompt, the text put
-        before its choices' (the completions API's ``echo``), with its tokens' logprobs if asked."""
+        choice a request of its own in the engine's batch; ``echoes``: per prompt as given
+        (text or token ids), what is put before its choices' text (the completions API's
+        ``echo``), with its tokens' logprobs if asked."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         items = [(ids, nth_sample(params, j)) for ids in prompts for j in range(n)]
         for ids, item_params in items:  # all first: a bad prompt is a 400 before any is queued
             llm.engine.check_request(ids, item_params)
+        if echoes is not None:
+            echoes = [p if isinstance(p, str) else llm.decode(ids) for p, ids in zip(echoes, prompts)]
         waiting = max(0, in_flight - llm.config.engine.max_batch_size)
         if waiting + len(items) > options.max_waiting:
             return _error_response(429, f"{waiting} requests are waiting and this one adds {len(items)}; the server "
                                         f"queues at most {options.max_waiting} (specdec serve --max-waiting): "
                                         "retry later")
-        updates = _counted(_merged([engine.generate(ids, item_params) for ids, item_params in items]), len(items))
+        updates = _within(_counted(_merged([engine.generate(ids, item_params) for ids, item_params in items]),
+                                   len(items)), options.request_timeout)
         finals: dict[int, tuple] = {}  # choice index -> (request, its latest update)
         logprobs: list[list] = [[] for _ in items]  # per choice, its tokens' logprobs not yet sent
         echoed = [echoes[i // n] if echoes else "" for i in range(len(items))]
@@ -310,19 +367,25 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
                 if not update.finished:
                     finish(update, "aborted")
 
+        timed_out = (f"the request ran for more than {options.request_timeout} s and was aborted "
+                     "(specdec serve --request-timeout); ask for fewer tokens")
         if not stream:
-            async for i, req, update in updates:
-                add_update(i, req, update)
-                if update.finished:
-                    finish(update, "error" if update.error else "ok")
-                elif await http.is_disconnected():
-                    await updates.aclose()
-                    abandon()
-                    return JSONResponse(status_code=499, content={"error": {"message": "client disconnected"}})
+            try:
+                async for i, req, update in updates:
+                    add_update(i, req, update)
+                    if update.finished:
+                        finish(update, "error" if update.error else "ok")
+                    elif await http.is_disconnected():
+                        await updates.aclose()
+                        abandon()
+                        return JSONResponse(status_code=499, content={"error": {"message": "client disconnected"}})
+            except _TimedOut:
+                abandon()
+                return _error_json(504, timed_out, code="timeout")
             results = [finals[i] for i in range(len(items))]
-            failed = [update.error for _, update in results if update.error]
+            failed = [update for _, update in results if update.error]
             if failed:
-                return JSONResponse(status_code=500, content={"error": {"message": failed[0]}})
+                return _error_json(400 if all(u.bad_request for u in failed) else 500, failed[0].error)
             choices = []
             for i, (_req, update) in enumerate(results):
                 choice = ({"index": i, "message": {"role": "assistant", "content": update.text}} if chat
@@ -358,6 +421,10 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
                         usage = usage_json([finals[j] for j in range(len(items))], n) if last else None
                         yield chunk(i, "", update.finish_reason, usage,
                                     logprobs=take_logprobs(i, offsets[i]) if logprobs[i] else None)
+            except _TimedOut:  # its unfinished choices are counted aborted below
+                error = {"message": timed_out, "type": "invalid_request_error", "code": "timeout"}
+                yield f"data: {json.dumps({'error': error})}\n\n"
+            else:
                 yield "data: [DONE]\n\n"
             finally:  # the client went away mid-stream: its unfinished choices are aborted
                 await updates.aclose()
@@ -365,14 +432,13 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=API_ERRORS)
     async def completions(body: CompletionRequest, http: HTTPRequest):
         prompts = [llm.encode(prompt) for prompt in body.prompts()]
-        echoes = [p if isinstance(p, str) else llm.decode(ids) for p, ids in zip(body.prompts(), prompts)]
         return await run(http, prompts, sampling_params_of(body, llm.config.sampling), body.n, False, body.stream,
-                         echoes if body.echo else None)
+                         body.prompts() if body.echo else None)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=API_ERRORS)
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
         ids = llm.apply_chat_template([m.model_dump() for m in body.messages])
         return await run(http, [ids], sampling_params_of(body, llm.config.sampling), body.n, True, body.stream)

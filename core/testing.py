@@ -293,9 +293,11 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     one verified against drafts, by default) over ``n`` seeds is compared (chi-square) with
     its exact distribution, computed from the stock model by summing over every earlier
     output (keep ``top_k`` small), after the penalties and biases ``params`` ask for
-    (not ``min_tokens``, which needs the model's EOS ids). The drafter drafts every step unless ``options`` say
-    ``adaptive: true`` (see :func:`check_greedy_lossless`). With ``engine`` options that
-    quantize the target, the exact distribution is the quantized model's. Returns the
+    (not ``min_tokens``, which needs the model's EOS ids) and, with ``structured_outputs``,
+    masked to the tokens the grammar allows after each earlier output. The drafter drafts
+    every step unless ``options`` say ``adaptive: true`` (see :func:`check_greedy_lossless`).
+    With ``engine`` options that quantize the target, the exact distribution is the
+    quantized model's. Returns the
     p-value and the number of accepted draft tokens (a test should check drafts were
     accepted at all).
     """
@@ -303,30 +305,37 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     from transformers import AutoModelForCausalLM
 
     from .api import LLM
+    from .grammar import apply_masks
     from .models import quantize_target
     from .sampler import probs_from_logits, shape_logits
 
     params = params or SamplingParams(temperature=1.0, top_k=5)
-    params = attrs.evolve(params, max_tokens=position + 2, ignore_eos=True)
+    params = attrs.evolve(params, max_tokens=position + 2, ignore_eos=params.structured_outputs is None)
     mode = (engine or {}).get("quantization")
     if mode:
         ref = quantize_target(Path(model), mode, torch.float32, torch.device("cpu"))
     else:
         ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
+    # the n seeded requests run as one batch: each has its own generator, so batching them
+    # changes no request's distribution, and the batched step is the one serving runs
+    llm = LLM(model=str(model), dtype="float32", device=device, engine={"max_batch_size": 64, **(engine or {})},
+              speculative_config=options)
+
     @torch.no_grad()
     def marginal(prefix: list[int], steps: int) -> torch.Tensor:
-        logits = shape_logits(ref(torch.tensor([prefix])).logits[0, -1:], [prefix], params, len(prompt), frozenset())
+        logits = ref(torch.tensor([prefix])).logits[0, -1:].clone()
+        if params.structured_outputs is not None:
+            grammar = llm.engine.grammars.grammar(params.structured_outputs)
+            grammar.advance(prefix[len(prompt):])
+            apply_masks(logits, torch.tensor([0]), grammar.masks()[0])
+        logits = shape_logits(logits, [prefix], params, len(prompt), frozenset())
         probs = probs_from_logits(logits, params)[0]
         if steps == 0:
             return probs
         return sum(probs[t] * marginal(prefix + [t], steps - 1) for t in torch.nonzero(probs).flatten().tolist())
 
     exact = marginal(list(prompt), position)
-    # the n seeded requests run as one batch: each has its own generator, so batching them
-    # changes no request's distribution, and the batched step is the one serving runs
-    llm = LLM(model=str(model), dtype="float32", device=device, engine={"max_batch_size": 64, **(engine or {})},
-              speculative_config=options)
     counts, accepted = torch.zeros_like(exact), 0
     for out in llm.generate([prompt] * n, [attrs.evolve(params, seed=seed) for seed in range(n)]):
         counts[out.token_ids[position]] += 1
@@ -387,24 +396,84 @@ def check_shipped_prefix_cache(options: dict) -> None:
     assert drafts[0] == drafts[1] and first.metrics.num_accepted_tokens > 0, drafts
 
 
-def check_shipped_sampling(options: dict, n: int = 250) -> int:
-    """:func:`check_sampling_lossless` on the embedded model (a short chat prompt,
-    temperature 1, top-k 4); returns the accepted draft tokens."""
+def check_shipped_sampling(options: dict, n: int = 250, question: str = "Name a color.",
+                           params: SamplingParams | None = None) -> int:
+    """:func:`check_sampling_lossless` on the embedded model (a short chat ``question``,
+    temperature 1, top-k 4 unless ``params`` say otherwise); returns the accepted draft tokens."""
     from .api import LLM
     from .models import resolve_model_dir
 
-    prompt = LLM(dtype="float32").apply_chat_template([{"role": "user", "content": "Name a color."}])
+    prompt = LLM(dtype="float32").apply_chat_template([{"role": "user", "content": question}])
     _, accepted = check_sampling_lossless(options, resolve_model_dir(None), prompt=prompt, n=n,
-                                          params=SamplingParams(temperature=1.0, top_k=4))
+                                          params=params or SamplingParams(temperature=1.0, top_k=4))
     return accepted
+
+
+def check_structured_sampling(options: dict, n: int = 250) -> int:
+    """:func:`check_shipped_sampling` under a grammar (a regex of at least four colour
+    words, so no output ends before the token checked): sampled output follows the masked,
+    renormalised target distribution. Returns the accepted draft tokens."""
+    params = SamplingParams(temperature=1.0, top_k=4,
+                            structured_outputs={"regex": r"(red|green|blue)(, (red|green|blue)){3,6}"})
+    return check_shipped_sampling(options, n, "List colors: red, green, blue, red, green, blue", params)
+
+
+#: A JSON schema and chat prompts for structured output on the embedded model.
+STRUCTURED_CHECK_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}, "required": ["name", "age", "hobbies"]}
+STRUCTURED_CHECK_PROMPTS = [
+    [{"role": "user", "content": "Describe a person named Alice, 30, who likes chess, as JSON."}],
+    [{"role": "user", "content": "Make up a character for a story and give name, age and hobbies in JSON."}]]
+STRUCTURED_CHECK_PARAMS = SamplingParams(max_tokens=64, temperature=0.0,
+                                         structured_outputs={"json": STRUCTURED_CHECK_SCHEMA})
+
+
+def follows_check_schema(value) -> bool:
+    """Whether ``value`` is an object :data:`STRUCTURED_CHECK_SCHEMA` accepts."""
+    return (isinstance(value, dict) and isinstance(value.get("name"), str)
+            and isinstance(value.get("age"), int) and not isinstance(value.get("age"), bool)
+            and isinstance(value.get("hobbies"), list) and len(value["hobbies"]) <= 3
+            and all(isinstance(h, str) for h in value["hobbies"]))
+
+
+@functools.lru_cache(maxsize=1)
+def embedded_plain_structured() -> tuple:
+    """Plain greedy float32 answers of the embedded model to :data:`STRUCTURED_CHECK_PROMPTS`
+    under :data:`STRUCTURED_CHECK_PARAMS` (computed once per process)."""
+    from .api import LLM
+
+    return tuple(LLM(dtype="float32").chat(STRUCTURED_CHECK_PROMPTS, STRUCTURED_CHECK_PARAMS))
+
+
+def check_structured_lossless(options: dict, min_accepted: int = 1):
+    """Structured output under speculation is the constrained target's: on the embedded
+    model in float32, JSON-schema-constrained greedy output with the drafter (drafting
+    every step unless ``options`` say ``adaptive: true``) equals plain constrained greedy
+    output token for token, parses as JSON the schema accepts (or stops at ``max_tokens``),
+    and at least ``min_accepted`` draft tokens were accepted. Returns the outputs."""
+    import json
+
+    from .api import LLM
+
+    spec = LLM(dtype="float32", speculative_config={"adaptive": False, **options})
+    got = spec.chat(STRUCTURED_CHECK_PROMPTS, STRUCTURED_CHECK_PARAMS)
+    for i, (a, b) in enumerate(zip(embedded_plain_structured(), got)):
+        assert b.token_ids == a.token_ids, (f"prompt {i}: constrained output departs from plain constrained greedy "
+                                            f"at token {first_divergence(a.token_ids, b.token_ids)}")
+        if b.finish_reason == "stop":
+            assert follows_check_schema(json.loads(b.text)), f"prompt {i}: {b.text!r} does not follow the schema"
+    accepted = sum(o.metrics.num_accepted_tokens for o in got)
+    assert accepted >= min_accepted, f"{options}: {accepted} draft tokens accepted, expected >= {min_accepted}"
+    return got
 
 
 @contextlib.contextmanager
 def running_server(config: str, directory: str | Path, args: tuple[str, ...] = (),
                    env: dict | None = None) -> Iterator[str]:
     """`specdec serve` with ``config`` (YAML text, written into ``directory``) on a free
-    loopback port, in a subprocess, with more command-line ``args`` and ``env`` variables:
-    yields its base URL, stops it on exit."""
+    loopback port, in a subprocess, with more command-line ``args`` and ``env`` variables,
+    its output in ``directory/server.log``: yields its base URL, stops it on exit."""
     import httpx
 
     cfg = Path(directory) / "cfg.yaml"
@@ -412,9 +481,11 @@ def running_server(config: str, directory: str | Path, args: tuple[str, ...] = (
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-c", str(cfg), "--port", str(port),
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    log = Path(directory) / "server.log"  # a file, not a pipe: an unread pipe fills and stalls the server
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-c", str(cfg), "--port", str(port),
+                                 *args], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 180
@@ -425,13 +496,17 @@ def running_server(config: str, directory: str | Path, args: tuple[str, ...] = (
             except httpx.HTTPError:
                 time.sleep(0.5)
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {proc.stdout.read()}")
+                raise RuntimeError(f"the server exited: {log.read_text()}")
             if time.time() > deadline:
                 raise RuntimeError("the server did not start within 180 s")
         yield base
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # still busy after 30 s: no server outlives its test
+            proc.kill()
+            proc.wait()
 
 
 def stream_chat(client, prompt: str, **options) -> str:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -244,3 +245,24 @@ def test_the_header_names_the_numerics_each_method_ran_in():
     assert numerics_line({"batch_invariant": {"plain": False, "ngram": False}}) == "numerics: stock"
     assert (numerics_line({"batch_invariant": {"plain": False, "ngram_invariant": True}})
             == "numerics: batch-invariant for ngram_invariant; stock for the rest")
+
+
+def test_bench_json_schema_workload(tmp_path):
+    """--json-schema: every request constrained by the schema, ngram's answers identical to
+    plain decoding's and drafts accepted, and the grammar masks' time per step reported."""
+    out = tmp_path / "r.json"
+    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    result = specdec("bench", "ngram", "--dataset", str(benchmarks / "json_events.jsonl"), "--json-schema",
+                     str(benchmarks / "json_event.schema.json"), "--max-tokens", "96", "--dtype", "float32",
+                     "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "every answer follows --json-schema; grammar masks, ms per decode step: plain" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["json_schema"] and report["categories"] == ["extraction", "generation"]
+    ngram = report["results"]["ngram"]["all"]
+    assert ngram["identical_to_plain"] == "12/12" and ngram["grammar_ms_per_step"] > 0
+    assert ngram["acceptance_length"] > 1.2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    result = specdec("bench", "--json-schema", str(bad))
+    assert result.returncode == 2 and "--json-schema" in result.stderr

@@ -66,6 +66,18 @@ def test_logits_processing():
     assert hot[0, 0] < cold[0, 0]
 
 
+def test_extreme_settings_give_a_distribution_not_nans():
+    """What a schema fuzzer sent the server: a top_p that float32 rounds to 0 keeps the
+    likeliest token, a temperature whose division would overflow is greedy, and a
+    repetition penalty outside 0.01-100 is refused."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    assert probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=5e-324))[0].tolist() == [1, 0, 0, 0]
+    assert SamplingParams(temperature=1e-30).greedy
+    assert probs_from_logits(logits, SamplingParams(temperature=1e-30))[0].tolist() == [1, 0, 0, 0]
+    with pytest.raises(FieldError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=5e-324)
+
+
 class Tables:
     """Target and draft next-token distributions per prefix, from two tiny random models."""
 

@@ -1,8 +1,8 @@
 """The draft stage of a step: the decode items, each with the draft its drafter proposed.
 
 It asks the planner how much each request may draft, calls the drafter's hooks once for
-the batch, checks and trims what comes back, reserves KV for it and builds its
-verification mask; after verification it hands the results to the drafter. A drafter
+the batch, checks and trims what comes back (dropping what a request's grammar forbids),
+reserves KV for it and builds its verification mask; after verification it hands the results to the drafter. A drafter
 fault (an exception, a malformed proposal or mask) costs the requests concerned their
 drafts this step, never output: it is counted per kind and logged once.
 """
@@ -22,6 +22,23 @@ from .request import Request
 from .step_items import StepItem
 
 log = logging.getLogger(__name__)
+
+
+def _grammatical(req: Request, prop: DraftProposal) -> DraftProposal | None:
+    """``prop`` without the nodes its request's grammar forbids, which the forward then
+    skips. Only where dropping them leaves the output's distribution as it was: greedy
+    requests, and drafts without a distribution (a forbidden token's one-hot ``q`` leaves
+    the rejection sampler's residual the target's own); a draft drawn from a distribution
+    keeps them, and verification rejects them (the masked target gives them 0)."""
+    if not (req.sampling_params.greedy or prop.draft_probs is None or prop.sibling_sampling == "deterministic"):
+        return prop
+    started = time.perf_counter()
+    _, reachable = req.grammar.masks(prop)
+    req.metrics.grammar_time += time.perf_counter() - started
+    if all(reachable):
+        return prop
+    keep = [node for node, ok in enumerate(reachable) if ok]
+    return prop.subset(keep) if keep or prop.aux_token_ids else None
 
 
 class DraftStage:
@@ -57,6 +74,8 @@ class DraftStage:
             proposals = self.planner.trim(reqs, proposals, before_drafts)
         items = []
         for req, prop in zip(reqs, proposals):
+            if prop is not None and req.grammar is not None:
+                prop = _grammatical(req, prop)
             if prop is not None and not self.kv.can_reserve(req, 1 + len(prop.token_ids) + len(prop.aux_token_ids)):
                 prop = None  # no KV room for drafts now: decode one token
             mask = None if prop is None else self._tree_mask(req, prop)

@@ -27,6 +27,7 @@ import torch
 from ..config import EngineConfig, SpeculativeConfig
 from ..drafting import StepResult
 from ..errors import FieldError, RequestError
+from ..grammar import GrammarCompiler
 from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
 from ..kernels.invariant import mode_costs_nothing
 from ..kvcache import HiddenStateCache, KVCacheManager, PagedKVCache
@@ -112,6 +113,7 @@ class Engine:
         graphs = (CudaGraphs(target, cache, config.block_size, self.max_model_len, config.max_batch_size)
                   if config.cuda_graphs else None)
         self.forward = PackedForward(target, self.kv, self.batch_invariant, graphs)
+        self.grammars = GrammarCompiler(target.tokenizer, target.eos_token_ids)
         self.verifier = Verifier(target.eos_token_ids,
                                  spec.acceptance_rule(target.tokenizer) if spec is not None else None)
         self.outputs = OutputProcessor(target.eos_token_ids, target.tokenizer, self.max_model_len)
@@ -165,7 +167,8 @@ class Engine:
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         req = Request(request_id=request_id, token_ids=list(token_ids), prompt_len=len(token_ids),
-                      sampling_params=params, generator=generator)
+                      sampling_params=params, generator=generator,
+                      grammar=self.grammars.grammar(params.structured_outputs) if params.structured_outputs else None)
         req.metrics.arrival_time = time.perf_counter()
         req.metrics.num_prompt_tokens = len(token_ids)
         self.requests[request_id] = req
@@ -192,6 +195,8 @@ class Engine:
                                "engine.max_model_len up to the model's limit")
         longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
         self.kv.check_fits(longest)
+        if params.structured_outputs is not None:
+            self.grammars.grammar(params.structured_outputs)  # a RequestError naming what llguidance refused
 
     def abort(self, request_id: str) -> None:
         """Cancel a request and free its KV blocks (no-op if it already ended)."""

@@ -14,7 +14,8 @@ class RequestMetrics:
     ``num_steps_speculation_off`` the steps the adaptive planner chose not to draft for
     the request because drafts would not pay;
     ``num_drafter_faults`` the steps whose drafts were dropped because the drafter failed
-    (raised, or proposed something invalid); ``lossless`` is False once an opt-in lossy
+    (raised, or proposed something invalid); ``grammar_time`` the seconds spent on
+    structured output's token masks (pruning drafts and masking rows); ``lossless`` is False once an opt-in lossy
     acceptance rule verified a draft of the request;
     ``acceptance_length`` is the mean number of tokens each such step emitted, the
     bonus token included; ``per_position_acceptance[k]`` is the rate at which draft
@@ -35,6 +36,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     draft_time: float = 0.0
+    grammar_time: float = 0.0
     num_drafter_faults: int = 0
     lossless: bool = True
 
@@ -73,8 +75,8 @@ class RequestMetrics:
 
     def merge(self, other: RequestMetrics) -> None:
         for name in ("num_steps", "num_draft_tokens", "num_accepted_tokens", "num_decode_tokens",
-                     "num_prompt_tokens", "num_cached_prompt_tokens", "draft_time", "num_drafter_faults",
-                     "num_steps_speculation_off"):
+                     "num_prompt_tokens", "num_cached_prompt_tokens", "draft_time", "grammar_time",
+                     "num_drafter_faults", "num_steps_speculation_off"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.lossless = self.lossless and other.lossless
         for k in range(len(other.drafted_at)):
@@ -96,4 +98,5 @@ class RequestMetrics:
                 "num_steps_speculation_off": self.num_steps_speculation_off,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
                 "time_to_first_token": self.time_to_first_token, "num_drafter_faults": self.num_drafter_faults,
+                "grammar_time": self.grammar_time,
                 "lossless": self.lossless}

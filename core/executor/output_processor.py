@@ -46,8 +46,17 @@ class OutputProcessor:
             req.prompt_logprobs += entries
         logprobs = dict(zip(askers, answers))
         outputs = []
-        for i, res in enumerate(results):
+        for i, (it, res) in enumerate(zip(items, results)):
             out = self._append(res.request, res.new_token_ids)
+            if res.request.grammar is not None and not out.finished:
+                res.request.error = res.request.grammar.advance(out.new_token_ids)
+                if res.request.error is not None:  # the request's own grammar: it alone fails
+                    res.request.finish_reason = "error"
+                    out.finished = True
+            if it.is_prefill and it.start + len(it.tokens) == res.request.prefill_target \
+                    and res.request.sampling_params.max_tokens == 0:  # a prompt scored alone
+                res.request.finish_reason = "length"
+                out.finished = True
             if i in logprobs:  # the tokens kept: a stop may have cut the step's tokens short
                 res.request.output_logprobs += logprobs[i][:len(out.new_token_ids)]
             outputs.append(out)

@@ -7,6 +7,7 @@ import enum
 import attrs
 import torch
 
+from ..grammar import Grammar
 from ..sampling_params import SamplingParams
 from .metrics import RequestMetrics
 
@@ -34,7 +35,7 @@ class Request:
     generator: torch.Generator | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    error: str | None = None
+    error: str | None = None  # why the request failed (finish_reason "error"): its own input, such as its grammar
     num_computed: int = 0
     num_from_prefix_cache: int = 0  # tokens the current admission took from the prefix cache
     block_table: list[int] = attrs.Factory(list)
@@ -43,6 +44,7 @@ class Request:
     stop_text: str | None = None  # the output text cut before a stop string that ended it
     output_logprobs: list[dict[int, float]] = attrs.Factory(list)  # per output token, if asked (see SamplingParams)
     prompt_logprobs: list[dict[int, float]] = attrs.Factory(list)  # per prompt token from the second, if asked
+    grammar: Grammar | None = None  # the matcher of ``sampling_params.structured_outputs``, at the output's end
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -50,7 +50,8 @@ class StepItem:
             prompt_rows = range(max(len(req.prompt_logprobs) - start, 0), max(min(n, req.prompt_len - 1 - start), 0))
         return cls(request=req, tokens=req.token_ids[start:start + n], start=start,
                    positions=torch.arange(start, start + n), tree_mask=None,
-                   num_logits=1 if done and req.num_output_tokens == 0 else 0, is_prefill=True,
+                   num_logits=1 if done and req.num_output_tokens == 0 and req.sampling_params.max_tokens else 0,
+                   is_prefill=True,
                    prompt_rows=prompt_rows)
 
     @classmethod

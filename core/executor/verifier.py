@@ -6,14 +6,19 @@ token of the target's own (the bonus or correction token): greedy requests by ar
 recursive rejection sampling, so output follows the target's distribution. An opt-in
 lossy acceptance rule (Medusa's typical, MTP's relaxed acceptance) verifies what is in its
 scope and marks the request not lossless. A prompt chunk that ends the prompt draws the
-first output token.
+first output token. A request with structured output has its rows masked first, each to
+the tokens its grammar allows after that row's path, so every rule verifies against the
+constrained target.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..drafting import StepResult
+from ..grammar import apply_masks
 from ..sampler import Verdict, probs_from_logits, shape_logits, verify_greedy, verify_greedy_batch, verify_sampled
 from ..sampling_params import SamplingParams
 from .request import Request
@@ -24,6 +29,21 @@ def _plain_greedy(params: SamplingParams) -> bool:
     return params.greedy and not params.shapes_logits
 
 
+def _mask_grammars(items: list[StepItem], logits: torch.Tensor) -> None:
+    """Mask, in place, the rows of each request with a grammar to the tokens it allows there."""
+    rows, masks = [], []
+    for it in items:
+        if it.request.grammar is None or not it.num_logits:
+            continue
+        started = time.perf_counter()
+        bitmask, _ = it.request.grammar.masks(it.proposal)
+        it.request.metrics.grammar_time += time.perf_counter() - started
+        rows.append(torch.arange(it.logits_from, it.logits_from + len(bitmask)))
+        masks.append(bitmask)
+    if rows:
+        apply_masks(logits, torch.cat(rows), torch.cat(masks))
+
+
 class Verifier:
     def __init__(self, eos_token_ids: frozenset[int] | set[int], acceptance_rule=None):
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -32,6 +52,7 @@ class Verifier:
     def verify(self, items: list[StepItem], logits: torch.Tensor) -> list[StepResult]:
         """One result per item: the tokens it keeps, with its accepted draft nodes and the
         target logits of its aux tokens."""
+        _mask_grammars(items, logits)
         greedy = self._greedy_verdicts(items, logits)
         results = []
         for it in items:

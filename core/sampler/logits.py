@@ -59,6 +59,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
         drop_sorted = before >= params.top_p
+        drop_sorted[..., 0] = False  # the likeliest token stays, however small top_p (float32 may round it to 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:

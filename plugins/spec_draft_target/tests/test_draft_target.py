@@ -98,3 +98,8 @@ def test_shipped_draft_is_the_default_on_the_embedded_model_lossless_and_accepte
     steps = sum(o.metrics.num_steps for o in got)
     # an untrained layer-skip draft accepts ~3% of first draft tokens; the trained one far more
     assert accepted > 0.3 * steps, (accepted, steps)
+
+
+def test_structured_output_is_the_constrained_targets():
+    """JSON-schema output with the shipped draft model's chains, drafts the grammar forbids pruned."""
+    testing.check_structured_lossless({"decoding_type": "draft_target"})

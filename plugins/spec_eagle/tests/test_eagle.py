@@ -30,6 +30,13 @@ def test_sampled_output_follows_the_target(mode):
                                            "max_draft_len": 2, **mode}) > 0
 
 
+def test_sampled_constrained_output_follows_the_masked_target():
+    """EAGLE-3's drafts are drawn from its own distribution, so a draft the grammar
+    forbids is verified and rejected (the masked target gives it 0), not pruned."""
+    assert testing.check_structured_sampling({"decoding_type": "eagle3", "speculative_model": str(SHIPPED_HEADS[3]),
+                                              "max_draft_len": 2}) > 0
+
+
 def test_preempted_requests_rebuild_the_draft_cache_and_stay_lossless():
     plain = testing.embedded_plain_chat()
     llm = LLM(dtype="float32", engine={"kv_cache_blocks": 32, "block_size": 4, "max_batch_size": 4},
@@ -82,3 +89,9 @@ def test_rows_kept_while_off_are_fused_as_if_all_at_once(monkeypatch):
     blocks_only = feature_drafter.FeatureQueue(tokens=list(range(len(queue.tokens))),
                                                fused=[at_once[:20], at_once[20:]])
     assert torch.equal(llm.drafter._features([blocks_only])[0], at_once)
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+def test_structured_output_is_the_constrained_targets(name):
+    """JSON-schema output with the dynamic draft tree: each node masked by its own path."""
+    testing.check_structured_lossless({"decoding_type": name})

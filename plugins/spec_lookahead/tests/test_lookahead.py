@@ -77,3 +77,8 @@ def test_the_window_seed_is_the_same_in_every_process():
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(runs) == 1 and runs.pop().startswith("[[")
+
+
+def test_structured_output_is_the_constrained_targets():
+    """JSON-schema output with the n-gram pool's drafts, drafts the grammar forbids pruned."""
+    testing.check_structured_lossless({"decoding_type": "lookahead"})

@@ -47,3 +47,8 @@ def test_heads_draft_from_a_prompt_found_in_the_prefix_cache():
     """The heads read the newest token's hidden state only: no states are kept for cached
     prefixes, and a repeated prompt served from the cache drafts as the first time."""
     testing.check_shipped_prefix_cache({"decoding_type": "medusa"})
+
+
+def test_structured_output_is_the_constrained_targets():
+    """JSON-schema output with the heads' static tree, drafts the grammar forbids pruned."""
+    testing.check_structured_lossless({"decoding_type": "medusa"})

@@ -48,3 +48,8 @@ def test_the_adaptive_planner_drafts_chains_and_trees_without_changing_greedy_ou
     assert sum(o.metrics.num_accepted_tokens for o in got) > 0
     verified = spec.engine.planner.stats.counts
     assert TREE_KIND in verified and None in verified, verified.keys()
+
+
+def test_structured_output_is_the_constrained_targets():
+    """JSON-schema output with the module's drafts, drafts the grammar forbids pruned."""
+    testing.check_structured_lossless({"decoding_type": "mtp"})

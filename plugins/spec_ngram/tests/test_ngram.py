@@ -144,3 +144,8 @@ def test_sampling_follows_target_distribution_through_core_sampler(tmp_path):
                                                   testing.tiny_model_dir(tmp_path, vocab_size=32),
                                                   prompt=[3, 4, 5, 6, 3, 4, 5, 6, 3, 4])
     assert accepted > 0
+
+
+def test_structured_output_is_the_constrained_targets():
+    """JSON-schema output with n-gram drafts from the prompt and the JSON so far, drafts the grammar forbids pruned."""
+    testing.check_structured_lossless({"decoding_type": "ngram"})

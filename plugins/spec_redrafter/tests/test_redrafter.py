@@ -21,3 +21,8 @@ def test_shipped_drafter_is_lossless_and_accepted(mode, min_length):
 def test_sampled_output_follows_the_target(width):
     assert testing.check_shipped_sampling({"decoding_type": "redrafter", "speculative_model": str(SHIPPED_DRAFTER),
                                            "max_draft_len": 2, "beam_width": width}) > 0
+
+
+def test_structured_output_is_the_constrained_targets():
+    """JSON-schema output with the beams, verified as a tree, drafts the grammar forbids pruned."""
+    testing.check_structured_lossless({"decoding_type": "redrafter"})
