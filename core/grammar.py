@@ -12,22 +12,24 @@ nothing allowed would make a distribution of NaNs.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 
+import llguidance
+import llguidance.hf
+import llguidance.torch
 import torch
 
 from .drafting import DraftProposal
 from .errors import RequestError
 from .sampling_params import StructuredOutputs
 
-#: compiled grammars kept (as fresh matchers to copy), the most recently used first out last
+#: compiled grammars kept (as fresh matchers to copy); the least recently used goes first
 GRAMMAR_CACHE_SIZE = 64
 
 
 def grammar_text(spec: StructuredOutputs) -> str:
     """The llguidance grammar for ``spec``; a RequestError naming the field if it is malformed."""
-    import llguidance
-
     try:
         if spec.json is not None:
             schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
@@ -44,40 +46,39 @@ def grammar_text(spec: StructuredOutputs) -> str:
 
 
 class GrammarCompiler:
-    """Matchers for one tokenizer; compiled grammars are cached, a request gets a copy."""
+    """Matchers for one tokenizer; compiled grammars are cached, a request gets a copy.
+    Thread-safe: the server checks requests on its event loop while the engine thread adds them."""
 
     def __init__(self, tokenizer, eos_token_ids: frozenset[int] | set[int]):
         self.tokenizer = tokenizer
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None
         self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
 
     def _tokenizer(self):
         if self._ll_tokenizer is None:
             if self.tokenizer is None:
                 raise RequestError("structured output needs the target's tokenizer, and this target has none")
-            import llguidance.hf
-
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.eos_token_ids)
         return self._ll_tokenizer
 
     def grammar(self, spec: StructuredOutputs) -> Grammar:
         """A matcher at the start of the output; a RequestError saying what is wrong with
         ``spec`` if llguidance refuses it."""
-        import llguidance
-
         text = grammar_text(spec)
-        fresh = self._compiled.get(text)
-        if fresh is None:
-            fresh = llguidance.LLMatcher(self._tokenizer(), text, log_level=0)
-            if fresh.is_error():
-                raise RequestError(f"structured_outputs.{spec.kind} is not a grammar llguidance accepts: "
-                                   f"{fresh.get_error().strip()}")
-            self._compiled[text] = fresh
-            if len(self._compiled) > GRAMMAR_CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(text)
-        return Grammar(fresh.deep_copy(), self._tokenizer().vocab_size, frozenset(self.eos_token_ids))
+        with self._lock:
+            fresh = self._compiled.get(text)
+            if fresh is None:
+                fresh = llguidance.LLMatcher(self._tokenizer(), text, log_level=0)
+                if fresh.is_error():
+                    raise RequestError(f"structured_outputs.{spec.kind} is not a grammar llguidance accepts: "
+                                       f"{fresh.get_error().strip()}")
+                self._compiled[text] = fresh
+                if len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(text)
+            return Grammar(fresh.deep_copy(), self._tokenizer().vocab_size, frozenset(self.eos_token_ids))
 
 
 class Grammar:
@@ -107,12 +108,10 @@ class Grammar:
         token. Unreachable nodes' rows allow everything. The committed matcher is not
         touched: the paths are walked on a copy (consumed, rolled back to the next node's
         parent), replaced by a fresh copy should llguidance give up on a path."""
-        import llguidance.torch
-
         nodes = len(proposal.token_ids) if proposal is not None else 0
         bitmask = torch.full((1 + nodes, self.words), -1, dtype=torch.int32)
         reachable = [False] * nodes
-        self._fill(self.matcher, bitmask, 0, llguidance.torch)
+        self._fill(self.matcher, bitmask, 0)
         walker, path = None, []  # path: the nodes the walker has consumed, root child first
         for node in range(nodes):
             token, parent = proposal.token_ids[node], proposal.parents[node]
@@ -134,13 +133,13 @@ class Grammar:
             path = ancestors
             if not walker.is_error():
                 reachable[node] = True
-                self._fill(walker, bitmask, node + 1, llguidance.torch)
+                self._fill(walker, bitmask, node + 1)
         return bitmask, reachable
 
-    def _fill(self, matcher, bitmask: torch.Tensor, row: int, ll_torch) -> None:
+    def _fill(self, matcher, bitmask: torch.Tensor, row: int) -> None:
         """Row ``row``: the tokens ``matcher`` allows next; EOS alone once the grammar is complete."""
         if not matcher.is_stopped():
-            ll_torch.fill_next_token_bitmask(matcher, bitmask, row)
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
             return
         bitmask[row] = 0
         for eos in self.eos_token_ids:
@@ -166,13 +165,15 @@ def _allowed(row: torch.Tensor, token: int) -> bool:
 
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmasks: torch.Tensor) -> None:
     """Set ``logits[rows[i], t]`` to -inf for every token ``t`` that ``bitmasks[i]`` does not
-    allow (token ids past the bitmask's words included), in place."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmasks[:, :, None] >> shifts) & 1).bool().flatten(1)
+    allow (token ids past the bitmask's words included), in place. Bit ``t % 32`` of word
+    ``t // 32`` is bit ``t % 8`` of byte ``t // 8`` (little-endian), so the bitmask unpacks
+    a byte at a time."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    allowed = ((bitmasks.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1).bool().flatten(1)
     vocab = logits.shape[-1]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     allowed = allowed[:, :vocab].to(logits.device)
     rows = rows.to(logits.device)
     with torch.inference_mode():  # the forward's logits are inference tensors
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))

@@ -2,9 +2,10 @@
 
 It asks the planner how much each request may draft, calls the drafter's hooks once for
 the batch, checks and trims what comes back (dropping what a request's grammar forbids),
-reserves KV for it and builds its verification mask; after verification it hands the results to the drafter. A drafter
-fault (an exception, a malformed proposal or mask) costs the requests concerned their
-drafts this step, never output: it is counted per kind and logged once.
+reserves KV for it and builds its verification mask; after verification it hands the
+results to the drafter. A drafter fault (an exception, a malformed proposal or mask) costs
+the requests concerned their drafts this step, never output: it is counted per kind and
+logged once.
 """
 
 from __future__ import annotations

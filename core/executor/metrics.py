@@ -15,8 +15,8 @@ class RequestMetrics:
     the request because drafts would not pay;
     ``num_drafter_faults`` the steps whose drafts were dropped because the drafter failed
     (raised, or proposed something invalid); ``grammar_time`` the seconds spent on
-    structured output's token masks (pruning drafts and masking rows); ``lossless`` is False once an opt-in lossy
-    acceptance rule verified a draft of the request;
+    structured output's token masks (pruning drafts and masking rows); ``lossless`` is
+    False once an opt-in lossy acceptance rule verified a draft of the request;
     ``acceptance_length`` is the mean number of tokens each such step emitted, the
     bonus token included; ``per_position_acceptance[k]`` is the rate at which draft
     position ``k + 1`` was accepted when it was proposed.

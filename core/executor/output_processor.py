@@ -1,6 +1,6 @@
 """Tokens into requests: each request takes the tokens its step kept, one by one, until a
 stop condition (EOS, a stop token, ``max_tokens``, the context's end, a stop string), with
-their logprobs where asked.
+their logprobs where asked; a request's grammar moves on with them.
 
 Tokens accepted from a draft may run past a stop; they are dropped, so speculative output
 ends exactly where plain decoding's would.
@@ -47,18 +47,19 @@ class OutputProcessor:
         logprobs = dict(zip(askers, answers))
         outputs = []
         for i, (it, res) in enumerate(zip(items, results)):
-            out = self._append(res.request, res.new_token_ids)
-            if res.request.grammar is not None and not out.finished:
-                res.request.error = res.request.grammar.advance(out.new_token_ids)
-                if res.request.error is not None:  # the request's own grammar: it alone fails
-                    res.request.finish_reason = "error"
+            req = res.request
+            out = self._append(req, res.new_token_ids)
+            if req.grammar is not None and not out.finished:
+                req.error = req.grammar.advance(out.new_token_ids)
+                if req.error is not None:  # the request's own grammar: it alone fails
+                    req.finish_reason = "error"
                     out.finished = True
-            if it.is_prefill and it.start + len(it.tokens) == res.request.prefill_target \
-                    and res.request.sampling_params.max_tokens == 0:  # a prompt scored alone
-                res.request.finish_reason = "length"
+            prompt_done = it.is_prefill and it.start + len(it.tokens) == req.prefill_target
+            if prompt_done and req.sampling_params.max_tokens == 0:  # a prompt scored alone
+                req.finish_reason = "length"
                 out.finished = True
             if i in logprobs:  # the tokens kept: a stop may have cut the step's tokens short
-                res.request.output_logprobs += logprobs[i][:len(out.new_token_ids)]
+                req.output_logprobs += logprobs[i][:len(out.new_token_ids)]
             outputs.append(out)
         return outputs
 

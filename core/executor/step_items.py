@@ -51,8 +51,7 @@ class StepItem:
         return cls(request=req, tokens=req.token_ids[start:start + n], start=start,
                    positions=torch.arange(start, start + n), tree_mask=None,
                    num_logits=1 if done and req.num_output_tokens == 0 and req.sampling_params.max_tokens else 0,
-                   is_prefill=True,
-                   prompt_rows=prompt_rows)
+                   is_prefill=True, prompt_rows=prompt_rows)
 
     @classmethod
     def decode(cls, req: Request, proposal: DraftProposal | None = None, mask: TreeMask | None = None) -> StepItem:

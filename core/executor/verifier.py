@@ -30,18 +30,23 @@ def _plain_greedy(params: SamplingParams) -> bool:
 
 
 def _mask_grammars(items: list[StepItem], logits: torch.Tensor) -> None:
-    """Mask, in place, the rows of each request with a grammar to the tokens it allows there."""
+    """Mask, in place, the rows of each request with a grammar to the tokens it allows
+    there; the time is counted in each request's ``grammar_time`` (masking by its share of rows)."""
+    constrained = [it for it in items if it.request.grammar is not None and it.num_logits]
+    if not constrained:
+        return
     rows, masks = [], []
-    for it in items:
-        if it.request.grammar is None or not it.num_logits:
-            continue
+    for it in constrained:
         started = time.perf_counter()
         bitmask, _ = it.request.grammar.masks(it.proposal)
         it.request.metrics.grammar_time += time.perf_counter() - started
         rows.append(torch.arange(it.logits_from, it.logits_from + len(bitmask)))
         masks.append(bitmask)
-    if rows:
-        apply_masks(logits, torch.cat(rows), torch.cat(masks))
+    started = time.perf_counter()
+    apply_masks(logits, torch.cat(rows), torch.cat(masks))
+    per_row = (time.perf_counter() - started) / sum(len(r) for r in rows)
+    for it, its_rows in zip(constrained, rows):
+        it.request.metrics.grammar_time += per_row * len(its_rows)
 
 
 class Verifier:
