@@ -148,6 +148,8 @@ def hf_systems(llm: LLM, max_tokens: int, assistant_layers: int) -> dict:
 
 
 LLAMA_CPP_INSTALL = "pip install 'specdec[llama-cpp]' (llama-cpp-python; it compiles llama.cpp, a few minutes)"
+#: llama.cpp's plain decoding in a report: with it in the run, every system's ratio to it
+LLAMA_CPP_PLAIN = "llama.cpp"
 
 
 def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int) -> dict:
@@ -182,15 +184,33 @@ def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int) -> dict:
                 res.outputs.append(out)
         return run
 
-    return {"llama.cpp": system(), "llama.cpp prompt lookup": system(draft_model=LlamaPromptLookupDecoding(
+    return {LLAMA_CPP_PLAIN: system(), "llama.cpp prompt lookup": system(draft_model=LlamaPromptLookupDecoding(
         num_pred_tokens=10))}
+
+
+def llama_cpp_headline(report: dict) -> str | None:
+    """With llama.cpp in the run: the fastest specdec system over all categories against
+    llama.cpp's plain decoding (None without llama.cpp)."""
+    results = report["results"]
+    if LLAMA_CPP_PLAIN not in results:
+        return None
+    ours = {name: r["all"] for name, r in results.items() if not name.startswith("llama.cpp") and "all" in r}
+    best = max(ours, key=lambda name: ours[name]["tokens_per_s"])
+    return (f"headline: {best} {ours[best]['tokens_per_s']:.1f} tok/s = "
+            f"{ours[best]['speedup_vs_llama_cpp']:.2f}x llama.cpp's plain decoding "
+            f"({results[LLAMA_CPP_PLAIN]['all']['tokens_per_s']:.1f} tok/s) over all categories")
 
 
 def print_table(report: dict, file=sys.stdout) -> None:
     """The report as a table: ``range`` is the lowest and highest speedup over the
-    repetitions; a note follows where batched outputs differ from plain decoding's."""
+    repetitions; with llama.cpp in the run, a headline against its plain decoding first and
+    a ``vs l.cpp`` column; a note follows where batched outputs differ from plain decoding's."""
     cats = report["categories"]
-    print(f"{'method':<28}{'category':<18}{'tok/s':>8}{'speedup':>9}{'range':>11}{'TTFT ms':>9}{'TPOT ms':>9}"
+    headline = llama_cpp_headline(report)
+    if headline:
+        print(headline, file=file)
+    print(f"{'method':<28}{'category':<18}{'tok/s':>8}{'speedup':>9}{'range':>11}"
+          f"{'vs l.cpp' if headline else '':>9}{'TTFT ms':>9}{'TPOT ms':>9}"
           f"{'acc.len':>8}{'draft%':>8}{'k':>6}{'off%':>6}{'faults':>7}{'same':>7}  per-position acceptance", file=file)
     differ = []
     for method, per_cat in report["results"].items():
@@ -207,7 +227,8 @@ def print_table(report: dict, file=sys.stdout) -> None:
             pos = " ".join(f"{x:.2f}" for x in r.get("per_position_acceptance", [])[:8])
             reps = r.get("speedup_by_repetition") or []
             spread = f"{min(reps):.2f}-{max(reps):.2f}" if len(reps) > 1 else "-"
-            print(f"{method:<28}{cat:<18}{r['tokens_per_s']:>8.1f}{r['speedup_vs_plain']:>8.2f}x{spread:>11}"
+            versus = f"{r['speedup_vs_llama_cpp']:.2f}x" if headline else ""
+            print(f"{method:<28}{cat:<18}{r['tokens_per_s']:>8.1f}{r['speedup_vs_plain']:>8.2f}x{spread:>11}{versus:>9}"
                   f"{ms(r.get('time_to_first_token_s')):>9}{ms(r.get('time_per_output_token_s')):>9}"
                   f"{r.get('acceptance_length', 0):>8.2f}{100 * r.get('draft_time_share', 0):>7.1f}%"
                   f"{r.get('mean_draft_len', 0):>6.1f}{100 * r.get('speculation_off_share', 0):>5.0f}%"
@@ -364,6 +385,9 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             # the spread of a ratio over repetitions is the run's own measure of its noise
             s["speedup_by_repetition"] = [mine / theirs if theirs else 0.0 for mine, theirs in zip(
                 s["tokens_per_s_by_repetition"], raw["plain"][cat].tokens_per_s_by_repetition)]
+            if LLAMA_CPP_PLAIN in raw:  # the CPU user's alternative: the ratio that matters most there
+                theirs = raw[LLAMA_CPP_PLAIN][cat].tokens_per_s
+                s["speedup_vs_llama_cpp"] = s["tokens_per_s"] / theirs if theirs else 0.0
             results[name][cat] = s
     plain = llms["plain"]
     return {"model": plain.target.name, "dtype": str(plain.dtype).replace("torch.", ""), "device": str(plain.device),

@@ -457,6 +457,9 @@ def test_a_request_past_the_timeout_gets_504_and_the_server_serves_on(smol):
         events = client.post("/v1/completions", json={**long, "stream": True}).text
         assert '"code": "timeout"' in events and "[DONE]" not in events
         assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        deadline = time.time() + 10  # aborts reach the engine thread as commands
+        while smol.engine.requests and time.time() < deadline:
+            time.sleep(0.05)
         assert not smol.engine.requests
 
 
@@ -492,7 +495,7 @@ def test_the_openapi_schema_documents_every_status_and_a_fuzzer_finds_no_fault(t
                                                                                            ["responses"])
         assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
         fuzz = subprocess.run([str(Path(sys.executable).with_name("schemathesis")), "run", f"{base}/openapi.json",
-                               "--checks", "not_a_server_error,status_code_conformance", "--max-examples", "40",
+                               "--checks", "not_a_server_error,status_code_conformance", "--max-examples", "25",
                                "--no-shrink", "--phases", "examples,coverage,fuzzing", "--seed", "1", "--workers", "1",
                                "--request-timeout", "60", "--generation-database", "none", "--max-failures", "5"],
                               capture_output=True, text=True, timeout=600, cwd=tmp_path)
