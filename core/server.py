@@ -322,7 +322,7 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
             await updates.aclose()
 
     async def run(http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, n: int, chat: bool,
-                  stream: bool, echoes: list[str] | None = None):
+                  stream: bool, echoes: list[str | list[int]] | None = None):
         """One response: ``n`` choices of each prompt (OpenAI's order: prompt by prompt), each
         choice a request of its own in the engine's batch; ``echoes``: per prompt as given
         (text or token ids), what is put before its choices' text (the completions API's
