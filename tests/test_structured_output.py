@@ -175,7 +175,7 @@ def test_only_drafts_without_a_distribution_are_pruned(smol, compiler):
     def after(params, **draft):
         req = Request(request_id="r", token_ids=[1], prompt_len=1, sampling_params=params,
                       grammar=compiler.grammar(StructuredOutputs(regex=COLORS)))
-        prop = _grammatical(req, DraftProposal(token_ids=[red, bad], parents=[-1, -1], **draft))
+        prop, _ = _grammatical(req, DraftProposal(token_ids=[red, bad], parents=[-1, -1], **draft))
         return prop.token_ids
 
     sampled, greedy = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)

@@ -25,21 +25,24 @@ from .step_items import StepItem
 log = logging.getLogger(__name__)
 
 
-def _grammatical(req: Request, prop: DraftProposal) -> DraftProposal | None:
+def _grammatical(req: Request, prop: DraftProposal) -> tuple[DraftProposal | None, torch.Tensor | None]:
     """``prop`` without the nodes its request's grammar forbids, which the forward then
-    skips. Only where dropping them leaves the output's distribution as it was: greedy
-    requests, and drafts without a distribution (a forbidden token's one-hot ``q`` leaves
-    the rejection sampler's residual the target's own); a draft drawn from a distribution
-    keeps them, and verification rejects them (the masked target gives them 0)."""
+    skips, with the grammar's bitmask rows of what is left (root first; the verifier
+    masks with them). Only where dropping them leaves the output's distribution as it was:
+    greedy requests, and drafts without a distribution (a forbidden token's one-hot ``q``
+    leaves the rejection sampler's residual the target's own); a draft drawn from a
+    distribution keeps them (no rows: the verifier computes them), and verification
+    rejects them (the masked target gives them 0)."""
     if not (req.sampling_params.greedy or prop.draft_probs is None or prop.sibling_sampling == "deterministic"):
-        return prop
+        return prop, None
     started = time.perf_counter()
-    _, reachable = req.grammar.masks(prop)
+    bitmask, reachable = req.grammar.masks(prop)
     req.metrics.grammar_time += time.perf_counter() - started
     if all(reachable):
-        return prop
+        return prop, bitmask
     keep = [node for node, ok in enumerate(reachable) if ok]
-    return prop.subset(keep) if keep or prop.aux_token_ids else None
+    rows = bitmask[[0] + [node + 1 for node in keep]]  # a node's row depends on its own path only
+    return (prop.subset(keep) if keep or prop.aux_token_ids else None), rows
 
 
 class DraftStage:
@@ -75,16 +78,17 @@ class DraftStage:
             proposals = self.planner.trim(reqs, proposals, before_drafts)
         items = []
         for req, prop in zip(reqs, proposals):
+            grammar_rows = None
             if prop is not None and req.grammar is not None:
-                prop = _grammatical(req, prop)
+                prop, grammar_rows = _grammatical(req, prop)
             if prop is not None and not self.kv.can_reserve(req, 1 + len(prop.token_ids) + len(prop.aux_token_ids)):
                 prop = None  # no KV room for drafts now: decode one token
             mask = None if prop is None else self._tree_mask(req, prop)
-            if mask is None:
-                items.append(StepItem.decode(req))
-                continue
-            item = StepItem.decode(req, prop, mask)
-            self.kv.reserve(req, len(item.tokens))
+            item = StepItem.decode(req) if mask is None else StepItem.decode(req, prop, mask)
+            if mask is not None:
+                self.kv.reserve(req, len(item.tokens))
+            if grammar_rows is not None:  # the root's row alone where the draft went
+                item.grammar_rows = grammar_rows[:1 + item.num_nodes]
             items.append(item)
         return items
 

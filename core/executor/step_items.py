@@ -33,6 +33,7 @@ class StepItem:
     row_offset: int = 0  # filled in when the forward is packed
     logits_from: int = 0
     prompt_logits_from: int = 0
+    grammar_rows: torch.Tensor | None = None  # the grammar's bitmask rows (root, then nodes) if already computed
 
     @property
     def num_nodes(self) -> int:

@@ -37,9 +37,11 @@ def _mask_grammars(items: list[StepItem], logits: torch.Tensor) -> None:
         return
     rows, masks = [], []
     for it in constrained:
-        started = time.perf_counter()
-        bitmask, _ = it.request.grammar.masks(it.proposal)
-        it.request.metrics.grammar_time += time.perf_counter() - started
+        bitmask = it.grammar_rows
+        if bitmask is None:  # not computed by the draft stage
+            started = time.perf_counter()
+            bitmask, _ = it.request.grammar.masks(it.proposal)
+            it.request.metrics.grammar_time += time.perf_counter() - started
         rows.append(torch.arange(it.logits_from, it.logits_from + len(bitmask)))
         masks.append(bitmask)
     started = time.perf_counter()
