@@ -362,6 +362,18 @@ def embedded_plain_chat() -> tuple:
     return tuple(LLM(dtype="float32").chat(SHIPPED_CHECK_PROMPTS, SHIPPED_CHECK_PARAMS))
 
 
+def steady_costs(llm, step: float = 0.03, per_token: float = 5e-4, per_level: float = 2e-3) -> None:
+    """Make ``llm``'s adaptive planner learn step and drafting times from a fixed cost model
+    (``step + per_token * tokens`` seconds a step, ``per_level`` a drafted level) in place of
+    the clock, so that a test of its decisions does not depend on the machine's load. The
+    defaults are a CPU's shape: weights streamed once per step, extra rows nearly free."""
+    planner = llm.engine.planner
+    observe_step, observe_drafting = planner.observe_step, planner.observe_drafting
+    planner.observe_step = lambda tokens, work, seconds, widest: observe_step(
+        tokens, work, step + per_token * tokens, widest)
+    planner.observe_drafting = lambda depth, seconds, trees: observe_drafting(depth, per_level * depth, trees)
+
+
 def check_shipped_drafter(options: dict, min_length: float):
     """A drafter on the embedded model in float32, drafting its full shape every step
     (``adaptive`` off unless ``options`` says otherwise): greedy output equals plain greedy
