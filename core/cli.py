@@ -30,7 +30,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--threads", type=int, help="torch CPU threads")
     g.add_argument("--quantization", choices=QUANTIZATIONS,
-                   help="weight-only quantized target on CPU (a GGUF's own 4-bit blocks are used as they are)")
+                   help="quantized target on CPU: int8/int4 weights on torch's kernels, w8a8/w4a8 the same weights "
+                        "with 8-bit activations on specdec's integer-dot kernels (a GGUF's own 4-bit blocks are "
+                        "used as they are)")
     g.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                    help="any config field, e.g. --set speculative_config.max_matching_ngram_size=4")
     s = p.add_argument_group("sampling")

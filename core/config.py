@@ -208,7 +208,7 @@ def _check_bool_or_auto(inst, attribute, value) -> None:
 
 
 #: ``engine.quantization`` values (:mod:`specdec.quantization`).
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
 
 
 @attrs.frozen(kw_only=True)
@@ -235,7 +235,9 @@ class EngineConfig:
             whose layers specdec's CPU kernels take
             (:func:`specdec.kernels.invariant.mode_costs_nothing`). ``true`` or ``false``
             decides it.
-        quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels
+        quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels,
+            or ``w8a8`` / ``w4a8``: the same weights multiplied with 8-bit activations by
+            specdec's integer-dot kernels, whose extra verified rows cost little
             (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
             None keeps the model's weights in ``dtype``. The quantized model is the target:
             speculative output equals its own plain output.

@@ -2,8 +2,8 @@
 model first.
 
 GGUF's Q4_1 block holds 32 weights as ``w = q * d + m`` (``q`` 0..15, ``d`` and ``m``
-float16) and Q4_0 as ``w = (q - 8) * d``: exactly :class:`~specdec.quantization.Int4Linear`'s
-groups, so the codes and scales are copied as they are. The token embedding (and an untied
+float16) and Q4_0 as ``w = (q - 8) * d``: exactly the groups of the 4-bit layers of
+:mod:`specdec.quantization`, so the codes and scales are copied as they are. The token embedding (and an untied
 output matrix), stored Q8_0 / F16 / F32, is widened a few thousand rows at a time and
 rounded to int8 per row as :func:`~specdec.quantization.quantize_rows_int8` rounds the whole
 float32 matrix, so its float32 copy (113 MB for the embedded model) never exists. Tensors
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .quantization import GROUP_SIZE, Int4Linear, Int8Embedding, Int8Linear, quantize_rows_int8, release_freed_memory
+from .quantization import GROUP_SIZE, Int8Embedding, layer_classes, quantize_rows_int8, release_freed_memory
 
 _LLAMA_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -124,10 +124,12 @@ def _int8_rows(f, ggml_type: int, offset: int, rows: int, columns: int) -> tuple
     return codes, scale
 
 
-def quantized_layers(gguf: Path, config, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
-    """``{module name: layer}`` from a llama file's own blocks: an :class:`Int4Linear` for each
-    Q4_0 / Q4_1 linear layer, an :class:`Int8Embedding` for the token embedding and an
-    :class:`Int8Linear` for an untied output matrix (F32, F16 or Q8_0)."""
+def quantized_layers(gguf: Path, config, dtype: torch.dtype, mode: str = "int4") -> dict[str, torch.nn.Module]:
+    """``{module name: layer}`` from a llama file's own blocks: a 4-bit layer of ``mode``
+    (:func:`~specdec.quantization.layer_classes`) for each Q4_0 / Q4_1 linear layer, an
+    :class:`Int8Embedding` for the token embedding and an int8 layer for an untied output
+    matrix (F32, F16 or Q8_0)."""
+    four_bit, eight_bit = layer_classes(mode)
     arch, tensors = _read_tensor_table(gguf)
     if arch != "llama":
         return {}
@@ -140,7 +142,7 @@ def quantized_layers(gguf: Path, config, dtype: torch.dtype) -> dict[str, torch.
             if name in ("token_embd.weight", "output.weight") and kind in _WIDE_TYPES and columns % GROUP_SIZE == 0:
                 codes, scale = _int8_rows(f, kind, offset, rows, columns)
                 if name == "output.weight":
-                    layers["lm_head"] = Int8Linear(codes, scale, None, dtype)
+                    layers["lm_head"] = eight_bit(codes, scale, None, dtype)
                 else:
                     layers["model.embed_tokens"] = Int8Embedding(codes, scale, dtype, config.pad_token_id)
                 continue
@@ -153,6 +155,6 @@ def quantized_layers(gguf: Path, config, dtype: torch.dtype) -> dict[str, torch.
             if parts[2] in heads:
                 order = _unpermute_rows(rows, heads[parts[2]])
                 codes, scale, minimum = codes[order], scale[order], minimum[order]
-            layers[f"model.layers.{parts[1]}.{_LLAMA_NAMES[parts[2]]}"] = Int4Linear(codes, scale, minimum, None, dtype)
+            layers[f"model.layers.{parts[1]}.{_LLAMA_NAMES[parts[2]]}"] = four_bit(codes, scale, minimum, None, dtype)
             release_freed_memory()  # a layer's temporaries, kept by the allocator, would add up to the weights' size
     return layers

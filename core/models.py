@@ -19,7 +19,7 @@ import torch
 
 from .errors import ModelLoadError
 from .gguf_blocks import quantized_layers
-from .quantization import check_supported, quantize_model, release_freed_memory
+from .quantization import check_supported, layer_classes, quantize_model, release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,8 @@ def quantize_target(path: Path, mode: str, dtype: torch.dtype, device: torch.dev
     model, read = _empty_model(path, dtype)
     if model is None:
         model, read = load_causal_lm(path, dtype, device), None
-    blocks = quantized_layers(gguf, model.config, dtype) if mode == "int4" and gguf is not None else {}
+    four_bit = layer_classes(mode)[0] is not None
+    blocks = quantized_layers(gguf, model.config, dtype, mode) if four_bit and gguf is not None else {}
     quantize_model(model, mode, dtype, blocks, read)
     release_freed_memory()
     return model.eval()

@@ -16,6 +16,13 @@ A GGUF target's Q4_0 / Q4_1 linear blocks become int4 layers as they are (:mod:`
 no second rounding, the same 4-bit weights llama.cpp runs; its embedding is rounded to int8
 from the file's own 8-bit blocks, a few thousand rows at a time. Everything else is
 quantized here from the weights transformers loaded (round to nearest).
+
+``w4a8`` and ``w8a8`` store the same 4-bit groups and int8 rows for specdec's integer-dot
+kernels (:mod:`specdec.kernels.int8_dot`), which quantize each token's activations to 8
+bits and multiply with integer dot products as llama.cpp does: extra rows of a
+verification step cost little beside the weights' streaming. Each token's outputs depend on
+its own activations only, by construction. Their 4-bit scales and minimums are float16, as
+in the GGUF blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import logging
 
 import torch
 from torch import nn
+
+from .kernels import int8_dot
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +115,69 @@ class Int4Linear(PackedLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP_SIZE}"
 
 
+class W8A8Linear(PackedLinear):
+    """``y = (x @ q.T) * scale (+ bias)`` with int8 codes per row, on the integer-dot kernel:
+    ``x`` quantized to 8 bits per token and block of 32 columns."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        int8_dot.require_kernel()
+        super().__init__(*codes.shape, bias, dtype)
+        packed, scale = int8_dot.pack_q8(codes, scale)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> W8A8Linear:
+        codes, scale = quantize_rows_int8(weight)
+        return cls(codes, scale, bias, dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows ``ids`` (an embedding's lookup of a tied head)."""
+        return int8_dot.unpack_q8_rows(self.packed, ids).to(self.dtype) * self.scale[ids][..., None].to(self.dtype)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return int8_dot.q8_linear(rows, self.packed, self.scale, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row, 8-bit activations"
+
+
+class W4A8Linear(PackedLinear):
+    """``w = q * scale + minimum`` per group of :data:`GROUP_SIZE` input columns (scale and
+    minimum float16), on the integer-dot kernel: ``x`` quantized to 8 bits per token and block."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype):
+        """``codes`` ``[out, in]`` integers 0..15; ``scale``, ``minimum`` ``[out, in / 32]``."""
+        int8_dot.require_kernel()
+        super().__init__(*codes.shape, bias, dtype)
+        packed, dm = int8_dot.pack_q4(codes, scale, minimum)
+        self.register_buffer("packed", packed)
+        self.register_buffer("dm", dm)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> W4A8Linear:
+        codes, scale, minimum = quantize_groups_int4(weight)
+        return cls(codes, scale, minimum, bias, dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        codes, d, m = int8_dot.unpack_q4(self.packed, self.dm, self.out_features)
+        groups = lambda t: t.float().repeat_interleave(GROUP_SIZE, 1)  # noqa: E731
+        return (codes.float() * groups(d) + groups(m)).to(self.dtype)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return int8_dot.q4_linear(rows, self.packed, self.dm, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP_SIZE}, "
+                f"8-bit activations")
+
+
 class Int8Embedding(nn.Module):
     """An embedding table stored as int8 rows with one scale each; looked-up rows are widened."""
 
@@ -122,6 +194,24 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.codes[ids].to(self.scale.dtype) * self.scale[ids][..., None]
+
+
+class HeadRowsEmbedding(nn.Module):
+    """The embedding of a tied int8 head stored for the integer-dot kernel: looked-up rows
+    are read from the head's packed codes and widened, as :class:`Int8Embedding` widens its own."""
+
+    def __init__(self, head: W8A8Linear, padding_idx: int | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.padding_idx = padding_idx
+        self.head = [head]  # not a submodule: the head is the model's, its buffers counted there
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head[0].weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head[0].rows(ids)
 
 
 def quantize_rows_int8(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +243,12 @@ def check_supported(mode: str, device: torch.device, dtype: torch.dtype) -> None
     """Raise a clear error where the packed kernels do not exist."""
     from .errors import ConfigError
 
+    if mode in ("w4a8", "w8a8") and device.type == "cpu" and not int8_dot.kernel_available():
+        raise ConfigError(f"engine.quantization: {mode} runs on specdec's integer-dot CPU kernels, which are not "
+                          f"available here (they need a C++ compiler and a CPU with AVX2 and F16C; see the warning "
+                          f"logged); use {'int4' if mode == 'w4a8' else 'int8'}, torch's own kernels")
     if device.type != "cpu":
-        raise ConfigError(f"engine.quantization: {mode} uses torch's packed CPU kernels and is supported on "
+        raise ConfigError(f"engine.quantization: {mode} runs on CPU kernels and is supported on "
                           f"device: cpu only (asked for {device.type}); leave it unset on {device.type}")
     if dtype == torch.float16:
         raise ConfigError(f"engine.quantization: {mode} runs with dtype bfloat16 or float32, not float16")
@@ -183,19 +277,35 @@ def release_freed_memory() -> None:
         pass
 
 
+def layer_classes(mode: str) -> tuple[type | None, type]:
+    """The classes of ``mode``'s 4-bit layers (None: it has none) and of its int8 layers."""
+    return {"int8": (None, Int8Linear), "int4": (Int4Linear, Int8Linear),
+            "w8a8": (None, W8A8Linear), "w4a8": (W4A8Linear, W8A8Linear)}[mode]
+
+
+def _int8_layer(mode: str, codes: torch.Tensor, scale: torch.Tensor, bias, dtype: torch.dtype) -> PackedLinear:
+    """``mode``'s int8 layer, or torch's where the integer-dot kernel does not take the width."""
+    eight_bit = layer_classes(mode)[1]
+    if codes.shape[1] % GROUP_SIZE:
+        eight_bit = Int8Linear
+    return eight_bit(codes, scale, bias, dtype)
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict | None = None,
                    read=None) -> dict:
     """Replace the model's linear layers and plain embeddings in place; return counts.
 
-    ``blocks`` maps module names to ready layers (from a GGUF file's own blocks: int4 linear
-    layers, an int8 embedding, which a tied head shares); the others are quantized from
-    their weights (``read(parameter)`` gives the values of a parameter not loaded yet).
-    Linear layers whose input width is not a multiple of :data:`GROUP_SIZE` get int8 under
-    ``int4``. Parameters left (norms, ...) are loaded in ``dtype``.
+    ``blocks`` maps module names to ready layers (from a GGUF file's own blocks: 4-bit
+    linear layers, an int8 embedding, which a tied head shares); the others are quantized
+    from their weights (``read(parameter)`` gives the values of a parameter not loaded yet).
+    Under a 4-bit mode the head and linear layers whose input width is not a multiple of
+    :data:`GROUP_SIZE` get int8. A tied embedding reads the int8 head's rows. Parameters
+    left (norms, ...) are loaded in ``dtype``.
     """
     blocks = blocks or {}
     read = read or (lambda tensor: tensor)
+    four_bit, _ = layer_classes(mode)
     head = model.get_output_embeddings()
     embed = model.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
@@ -207,21 +317,24 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict
         bias = None if module.bias is None else read(module.bias)
         if name in blocks or (module is head and tied and file_embedding is not None):
             new = (blocks[name] if name in blocks
-                   else Int8Linear(file_embedding.codes, file_embedding.scale, None, dtype))
+                   else _int8_layer(mode, file_embedding.codes, file_embedding.scale, None, dtype))
             if bias is not None:
                 new.register_buffer("bias", bias.to(dtype))
             counts["from_file"] += 1
-        elif mode == "int4" and module is not head and module.in_features % GROUP_SIZE == 0:
-            new = Int4Linear.from_weight(read(module.weight), bias, dtype)
+        elif four_bit is not None and module is not head and module.in_features % GROUP_SIZE == 0:
+            new = four_bit.from_weight(read(module.weight), bias, dtype)
         else:
-            new = Int8Linear.from_weight(read(module.weight), bias, dtype)
-        counts["int4" if isinstance(new, Int4Linear) else "int8"] += 1
+            new = _int8_layer(mode, *quantize_rows_int8(read(module.weight)), bias, dtype)
+        counts["int4" if isinstance(new, (Int4Linear, W4A8Linear)) else "int8"] += 1
         _set_module(model, name, new)
-    if file_embedding is not None:
+    new_head = model.get_output_embeddings()
+    if tied and isinstance(new_head, W8A8Linear) and (file_embedding is not None or type(embed) is nn.Embedding):
+        model.set_input_embeddings(HeadRowsEmbedding(new_head, embed.padding_idx))
+        counts["embedding"] = 1
+    elif file_embedding is not None:
         model.set_input_embeddings(file_embedding)
         counts["embedding"] = 1
     elif type(embed) is nn.Embedding:
-        new_head = model.get_output_embeddings()
         if tied and isinstance(new_head, Int8Linear):
             codes, scale = new_head.codes, new_head.scale
         else:

@@ -30,6 +30,7 @@ import torch
 from specdec import LLM
 from specdec.kernels import AttentionLayout, SequenceSlice
 from specdec.kvcache import PagedKVCache
+from specdec.config import QUANTIZATIONS
 from specdec.quantization import weight_bytes
 from specdec.target_model import ForwardMetadata
 
@@ -133,7 +134,7 @@ def profile_split(run, top: int = 0) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantization", choices=["int8", "int4"])
+    p.add_argument("--quantization", choices=QUANTIZATIONS)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-prepack", action="store_true", help="engine.prepack_weights off (stock F.linear)")
     p.add_argument("--batch-invariant", action="store_true",

@@ -13,6 +13,7 @@ from specdec.quantization import (
     Int4Linear,
     Int8Embedding,
     Int8Linear,
+    W4A8Linear,
     check_supported,
     quantize_groups_int4,
     quantize_rows_int8,
@@ -95,7 +96,7 @@ def test_embedded_int4_target_is_smaller_and_still_answers(smol_int4, smol):
     assert "Paris" in smol_int4.chat([prompt], params)[0].text
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("mode", ["int4", "int8", "w4a8", "w8a8"])
 def test_quantized_tiny_target_greedy_lossless(tiny_models, mode):
     testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 4}, tiny_models["llama"],
                                   engine={"quantization": mode}, device="cpu")
@@ -113,6 +114,27 @@ def test_embedded_int4_greedy_lossless_with_trained_drafters(smol_int4_bf16, met
     for a, b in zip(plain, got):
         assert a.token_ids == b.token_ids
     assert sum(o.metrics.num_accepted_tokens for o in got) >= 20
+
+
+@pytest.fixture(scope="module")
+def smol_w4a8_plain():
+    llm = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "w4a8", "batch_invariant": True})
+    return llm.chat(testing.SHIPPED_CHECK_PROMPTS, testing.SHIPPED_CHECK_PARAMS)
+
+
+@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft_target", "medusa", "eagle", "eagle3", "mtp",
+                                    "redrafter"])
+def test_embedded_w4a8_greedy_lossless_with_every_method(smol_w4a8_plain, method):
+    """On the integer-dot kernels (8-bit activations, each token's quantized on its own)
+    every method's output equals the w4a8 target's plain output, drafts accepted
+    (bfloat16, the batch-invariant attention)."""
+    spec = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "w4a8", "batch_invariant": True},
+               speculative_config={"decoding_type": method, "adaptive": False})
+    assert sum(isinstance(m, W4A8Linear) for m in spec.target.model.modules()) == 210
+    got = spec.chat(testing.SHIPPED_CHECK_PROMPTS, testing.SHIPPED_CHECK_PARAMS)
+    for i, (a, b) in enumerate(zip(smol_w4a8_plain, got)):
+        assert a.token_ids == b.token_ids, f"prompt {i} departs at {testing.first_divergence(a.token_ids, b.token_ids)}"
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
 
 
 def test_bfloat16_int4_batch_invariant_identical_with_drafts():

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCES = [pathlib.Path(__file__).with_name(name) for name in ("invariant_attention.cpp", "bf16_linear.cpp")]
+SOURCES = [pathlib.Path(__file__).with_name(name) for name in ("invariant_attention.cpp", "bf16_linear.cpp", "int8_dot.cpp")]
 
 
 def _machine_tag() -> str:
