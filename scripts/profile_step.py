@@ -28,9 +28,9 @@ import time
 import torch
 
 from specdec import LLM
+from specdec.config import QUANTIZATIONS
 from specdec.kernels import AttentionLayout, SequenceSlice
 from specdec.kvcache import PagedKVCache
-from specdec.config import QUANTIZATIONS
 from specdec.quantization import weight_bytes
 from specdec.target_model import ForwardMetadata
 

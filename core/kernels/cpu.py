@@ -1,7 +1,8 @@
 """specdec's CPU kernels, compiled once per machine at first use with torch's C++ extension
 builder (10-20 s; the result is cached under torch's extensions directory): the
-batch-invariant attention (``invariant_attention.cpp``) and bfloat16 linear layers for CPUs
-without bfloat16 instructions (``bf16_linear.cpp``).
+batch-invariant attention (``invariant_attention.cpp``), bfloat16 linear layers for CPUs
+without bfloat16 instructions (``bf16_linear.cpp``) and quantized linear layers with
+integer dot products (``int8_dot.cpp``, :mod:`.int8_dot`).
 
 Why a kernel of our own: the torch version (:func:`.invariant.invariant_attention_torch`)
 must lay every key row out as plain decoding does and reduce over it with library
@@ -26,7 +27,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCES = [pathlib.Path(__file__).with_name(name) for name in ("invariant_attention.cpp", "bf16_linear.cpp", "int8_dot.cpp")]
+SOURCES = [pathlib.Path(__file__).with_name(name)
+           for name in ("invariant_attention.cpp", "bf16_linear.cpp", "int8_dot.cpp")]
 
 
 def _machine_tag() -> str:
