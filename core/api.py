@@ -16,7 +16,15 @@ from .errors import ModelLoadError, RequestError
 from .executor.engine import Engine
 from .executor.metrics import RequestMetrics
 from .kernels import prepack_linears
-from .models import gguf_file, load_causal_lm, load_tokenizer, model_display_name, quantize_target, resolve_model_dir
+from .models import (
+    gguf_file,
+    load_causal_lm,
+    load_tokenizer,
+    model_display_name,
+    quantize_target,
+    resolve_model_dir,
+    resolve_quantization,
+)
 from .plugins import drafter_plugin_manager, get_registry
 from .sampling_params import SamplingParams
 from .target_model import TargetModel
@@ -92,11 +100,15 @@ class LLM:
                     "engine": unstructure(engine) if isinstance(engine, EngineConfig) else (engine or {}),
                     "sampling": unstructure(sampling) if isinstance(sampling, SamplingParams) else (sampling or {})}
             config = config_from_dict(data)
-        self.config = config
         if config.engine.num_threads:
             torch.set_num_threads(config.engine.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        quantization = resolve_quantization(config.engine.quantization, config.dtype, self.device,
+                                            gguf_file(config.model))
+        if quantization != config.engine.quantization:
+            config = attrs.evolve(config, engine=attrs.evolve(config.engine, quantization=quantization))
+        self.config = config
         # Resolve the method before loading weights, so a missing plugin fails fast.
         registry = get_registry()
         spec = config.speculative_config

@@ -207,8 +207,8 @@ def _check_bool_or_auto(inst, attribute, value) -> None:
         raise FieldError(attribute.name, str(exc)) from None
 
 
-#: ``engine.quantization`` values (:mod:`specdec.quantization`).
-QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
+#: ``engine.quantization`` values (:mod:`specdec.quantization`); ``none`` is read as None.
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8", "w4a8")
 
 
 @attrs.frozen(kw_only=True)
@@ -239,7 +239,10 @@ class EngineConfig:
             or ``w8a8`` / ``w4a8``: the same weights multiplied with 8-bit activations by
             specdec's integer-dot kernels, whose extra verified rows cost little
             (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
-            None keeps the model's weights in ``dtype``. The quantized model is the target:
+            None (``none``) keeps the model's weights in ``dtype``. ``auto`` (the default):
+            ``w4a8`` for a GGUF target of Q4_0 / Q4_1 blocks on a CPU with ``dtype: auto``
+            (the embedded model), None otherwise
+            (:func:`specdec.models.resolve_quantization`). The quantized model is the target:
             speculative output equals its own plain output.
         prepack_weights: bfloat16 linear layers on CPU multiply by weights reordered once
             into oneDNN's layout instead of at every call (:mod:`specdec.kernels.prepacked`):
@@ -272,7 +275,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = attrs.field(default=None, validator=in_range(1, None))
     batch_invariant: bool | str = attrs.field(default="auto", validator=_check_bool_or_auto)
-    quantization: str | None = attrs.field(default=None, validator=attrs.validators.optional(one_of(*QUANTIZATIONS)))
+    quantization: str | None = attrs.field(default="auto", converter=lambda v: None if v == "none" else v,
+                                           validator=attrs.validators.optional(one_of(*QUANTIZATIONS)))
     prepack_weights: bool = True
     compile: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _compile_alone(inst, value))
     cuda_graphs: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _graphs_alone(inst, value))

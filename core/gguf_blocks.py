@@ -31,6 +31,12 @@ _LLAMA_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
 _BLOCK_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20)}
 #: GGML tensor types an int8 matrix is rounded from, and the bytes of one 32-weight block of each.
 _WIDE_TYPES = {0: ("F32", 128), 1: ("F16", 64), 8: ("Q8_0", 34)}
+#: names of GGML tensor types, for messages.
+_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+               11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS",
+               18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 30: "BF16"}
+#: the 4-bit schemes whose blocks specdec's 4-bit layers take as they are.
+TAKEN_SCHEMES = tuple(name for name, _ in _BLOCK_TYPES.values())
 #: rows of an embedding widened to float32 at a time.
 _ROWS_AT_A_TIME = 4096
 #: sizes of GGUF's scalar metadata value types (8 is a string, 9 an array).
@@ -122,6 +128,16 @@ def _int8_rows(f, ggml_type: int, offset: int, rows: int, columns: int) -> tuple
         codes[start:start + count], scale[start:start + count] = quantize_rows_int8(
             _widen(kind, _read(f, offset + start * width, count, width)))
     return codes, scale
+
+
+def linear_schemes(gguf: Path) -> set[str]:
+    """The GGML types of a llama file's linear layers (``blk.N.attn_q`` ... ``ffn_down``);
+    empty for another architecture."""
+    arch, tensors = _read_tensor_table(gguf)
+    if arch != "llama":
+        return set()
+    return {_TYPE_NAMES.get(kind, f"type {kind}") for name, _, kind, _ in tensors
+            if len(parts := name.split(".")) == 4 and parts[0] == "blk" and parts[2] in _LLAMA_NAMES}
 
 
 def quantized_layers(gguf: Path, config, dtype: torch.dtype, mode: str = "int4") -> dict[str, torch.nn.Module]:

@@ -289,16 +289,19 @@ def test_auto_runs_the_mode_where_it_costs_nothing(tiny_models, monkeypatch, arc
 
 @needs_cpu_kernels
 def test_auto_keeps_stock_numerics_where_the_mode_was_not_measured(tiny_models, smol, monkeypatch):
-    """``auto`` is on only for what was measured to cost nothing (a bfloat16 CPU target, neither
-    compiled nor quantized, whose attention the C++ kernel takes and whose every product runs
-    on the linear kernel or on a plan that only pads rows); ``true`` and ``false`` decide it
-    everywhere."""
+    """``auto`` is on only for what was measured to cost nothing (a bfloat16 CPU target, not
+    compiled, unquantized or on the integer-dot kernels, whose attention the C++ kernel takes
+    and whose every product runs on the linear kernel or on a plan that only pads rows);
+    ``true`` and ``false`` decide it everywhere."""
     monkeypatch.setattr(cpu, "native_bfloat16", lambda: False)
     target = LLM(dtype="bfloat16").target
     assert resolve_batch_invariant(EngineConfig(), target) is True
     assert resolve_batch_invariant(EngineConfig(batch_invariant=False), target) is False
     assert resolve_batch_invariant(EngineConfig(compile=True), target) is False
-    assert resolve_batch_invariant(EngineConfig(quantization="int4"), target) is False
+    int4 = LLM(dtype="bfloat16", engine={"quantization": "int4"}).target  # torch's packed kernels: not measured
+    assert resolve_batch_invariant(EngineConfig(quantization="int4"), int4) is False
+    w4a8 = LLM(dtype="bfloat16", engine={"quantization": "w4a8"}).target  # integer dots: measured 0.94-0.98x
+    assert resolve_batch_invariant(EngineConfig(quantization="w4a8"), w4a8) is True
     assert resolve_batch_invariant(EngineConfig(), smol.target) is False  # float32
     assert resolve_batch_invariant(EngineConfig(batch_invariant=True), smol.target) is True
     # head dimensions the attention kernel does not take; an MoE's fused expert tensors

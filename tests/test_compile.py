@@ -93,7 +93,7 @@ def test_three_graphs_compile_when_the_engine_starts_and_none_while_it_serves(ti
         assert a.token_ids == b.token_ids == c.token_ids
 
 
-@pytest.mark.parametrize("quantization", [None, "int4"])
+@pytest.mark.parametrize("quantization", [None, "int4", "w4a8"])
 def test_drafts_on_a_compiled_target_are_lossless(tiny_models, quantization):
     testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 4}, tiny_models["llama"],
                                   engine={"compile": True, "quantization": quantization}, device="cpu")

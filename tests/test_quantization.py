@@ -169,7 +169,7 @@ def test_low_memory_load_equals_load_then_quantize(tiny_models):
 
 
 def test_unsupported_quantization_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"quantization.*must be one of 'int8', 'int4'.*int3"):
+    with pytest.raises(ConfigError, match=r"quantization.*must be one of 'auto', 'none', 'int8', 'int4'.*int3"):
         LLM(device="cpu", engine={"quantization": "int3"})
     with pytest.raises(ConfigError, match="device: cpu only"):
         check_supported("int4", torch.device("cuda"), torch.bfloat16)
@@ -201,6 +201,39 @@ def test_a_drafter_for_another_target_is_refused_as_for_the_unquantized_target(t
         assert re.search(message, quantized) and quantized == refusal(model, {}, options)
 
 
+def test_auto_runs_a_q4_gguf_on_the_integer_dot_kernels(smol):
+    """The default for a CPU user: the embedded Q4_1 file runs its own blocks (w4a8) in the
+    batch-invariant mode, unless a dtype is asked for or ``none`` is; the dequantized weights
+    are one option away."""
+    default = LLM(device="cpu")
+    assert default.config.engine.quantization == "w4a8" and default.engine.batch_invariant
+    assert sum(isinstance(m, W4A8Linear) for m in default.target.model.modules()) == 210
+    assert LLM(device="cpu", engine={"quantization": "none"}).config.engine.quantization is None
+    assert smol.config.engine.quantization is None  # dtype float32 asked for
+
+
+def test_auto_leaves_other_gguf_schemes_unquantized_and_refuses_them_by_name(tmp_path, caplog):
+    import gguf
+
+    from specdec.models import resolve_quantization
+
+    path = tmp_path / "f16.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
+        writer.add_tensor(name, torch.zeros(64, 64, dtype=torch.float16).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cpu = torch.device("cpu")
+    with caplog.at_level("INFO", logger="specdec.models"):
+        assert resolve_quantization("auto", "auto", cpu, path) is None
+    assert "linear layers are F16" in caplog.text
+    with pytest.raises(ConfigError, match=r"w4a8 takes a GGUF file's Q4_0 or Q4_1 blocks.*holds F16 linear layers"):
+        resolve_quantization("w4a8", "auto", cpu, path)
+    assert resolve_quantization("w8a8", "auto", cpu, path) == "w8a8"  # int8 rows rounded from the weights
+
+
 def test_cli_quantization_flag_and_yaml(tmp_path):
     import subprocess
     import sys
@@ -214,6 +247,6 @@ def test_cli_quantization_flag_and_yaml(tmp_path):
     config = tmp_path / "q.yaml"
     config.write_text("engine: {quantization: int5}\n")
     out = specdec("config", "check", str(config))
-    assert out.returncode == 2 and "engine.quantization: must be one of 'int8', 'int4'" in out.stderr
+    assert out.returncode == 2 and "engine.quantization: must be one of 'auto', 'none', 'int8'" in out.stderr
     out = specdec("generate", "--quantization", "int2", "x")
     assert out.returncode == 2 and "invalid choice: 'int2'" in out.stderr

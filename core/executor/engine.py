@@ -31,6 +31,7 @@ from ..grammar import GrammarCompiler
 from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
 from ..kernels.invariant import mode_costs_nothing
 from ..kvcache import HiddenStateCache, KVCacheManager, PagedKVCache
+from ..quantization import Int4Linear, Int8Linear
 from ..sampling_params import SamplingParams
 from ..target_model import ForwardMetadata, TargetModel
 from .cuda_graphs import CudaGraphs
@@ -51,13 +52,16 @@ log = logging.getLogger(__name__)
 
 def resolve_batch_invariant(config: EngineConfig, target: TargetModel) -> bool:
     """``engine.batch_invariant`` as the engine runs it: ``auto`` is on for a bfloat16 CPU
-    target, neither compiled nor quantized, whose every layer the mode runs as cheaply as
-    stock numerics (:func:`specdec.kernels.invariant.mode_costs_nothing`), where it was
-    measured to cost what stock numerics cost."""
+    target, not compiled, unquantized or on the integer-dot kernels (``w4a8``, ``w8a8``,
+    invariant by construction; torch's packed int4/int8 layers were not measured), whose
+    every layer the mode runs as cheaply as stock numerics
+    (:func:`specdec.kernels.invariant.mode_costs_nothing`), where it was measured to cost what
+    stock numerics cost."""
     if config.batch_invariant != "auto":
         return config.batch_invariant
+    on_torch_packed = any(isinstance(m, (Int4Linear, Int8Linear)) for m in target.model.modules())
     return (target.device.type == "cpu" and target.dtype == torch.bfloat16 and not config.compile
-            and config.quantization is None and mode_costs_nothing(target.model, target.layer_shapes))
+            and not on_torch_packed and mode_costs_nothing(target.model, target.layer_shapes))
 
 
 def _reads_prompt_hidden_states(hooks: pluggy.PluginManager) -> bool:
