@@ -4,8 +4,12 @@ Runs the input-grounded built-in prompts (summarize a text, edit given code, ans
 a given text) through plain decoding and through prompt lookup (ngram), checks that the
 greedy outputs are identical, and prints the tokens/s of both and the speedup.
 
-    .venv/bin/python scripts/demo.py [--dtype bfloat16] [--max-tokens 192] [--threads 2]
+    .venv/bin/python scripts/demo.py [--dtype auto] [--quantization auto] [--max-tokens 192] [--threads 2]
                                      [--batch-invariant auto|true|false]
+
+By default the target is what a CPU user gets without asking: the embedded GGUF's own 4-bit
+blocks on the integer-dot kernels (``quantization: auto``); ``--quantization none`` runs the
+dequantized bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.config import QUANTIZATIONS
 from specdec.prompt_sets import INPUT_GROUNDED, messages
 from specdec.testing import first_divergence, near_tie_at
 
@@ -70,7 +75,8 @@ def timed(llm: LLM, conversation, params: SamplingParams):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-draft-len", type=int, help="default: the ngram plugin's own")
@@ -79,7 +85,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    engine = {"batch_invariant": {"true": True, "false": False}.get(args.batch_invariant, "auto")}
+    engine = {"batch_invariant": {"true": True, "false": False}.get(args.batch_invariant, "auto"),
+              "quantization": args.quantization}
     plain = LLM(dtype=args.dtype, engine=engine)
     ngram = {"decoding_type": "ngram"}
     if args.max_draft_len:
@@ -99,7 +106,7 @@ def main() -> None:
             totals["plain"][1] += t_base
             totals["ngram"][0] += len(fast.token_ids)
             totals["ngram"][1] += t_fast
-            same = compare(base, fast, args.dtype, reference)
+            same = compare(base, fast, "float32" if args.dtype == "float32" else "bfloat16", reference)
             m = fast.metrics
             print(f"=== {category} ===\n{fast.text.strip()}\n")
             print(f"plain: {len(base.token_ids) / t_base:6.1f} tok/s   ngram: {len(fast.token_ids) / t_fast:6.1f} tok/s"
@@ -108,7 +115,9 @@ def main() -> None:
     plain_tps = totals["plain"][0] / totals["plain"][1]
     spec_tps = totals["ngram"][0] / totals["ngram"][1]
     numerics = "batch-invariant" if plain.engine.batch_invariant else "stock"
-    print(f"overall ({args.dtype}, {args.threads} threads, {numerics} numerics): plain {plain_tps:.1f} tok/s, "
+    weights = plain.config.engine.quantization or "unquantized"
+    dtype = str(plain.dtype).removeprefix("torch.")
+    print(f"overall ({dtype}, {weights}, {args.threads} threads, {numerics} numerics): plain {plain_tps:.1f} tok/s, "
           f"ngram {spec_tps:.1f} tok/s, {spec_tps / plain_tps:.2f}x")
 
 

@@ -23,6 +23,7 @@ import time
 
 import pluggy
 import torch
+from tqdm import tqdm
 
 from ..config import EngineConfig, SpeculativeConfig
 from ..drafting import StepResult
@@ -144,11 +145,13 @@ class Engine:
     def _warm_up_compiled(self) -> None:
         """Compile the compiled target's graphs now, not on the first requests: one token of
         one sequence, two tokens of one, then one token each of two sequences, written into
-        the first blocks (no request holds any yet)."""
+        the first blocks (no request holds any yet). A progress bar on a terminal: the first
+        compilation takes a minute or two; torch's on-disk caches shorten the next."""
         started = time.perf_counter()
         blocks, size, device = self.kv.pool.num_blocks, self.kv.block_size, self.target.device
         first = list(range(min(2, blocks)))
-        for step in ([(first, 1)], [(first, 2)], [([0], 1), ([1], 1)]):
+        steps = [[(first, 1)], [(first, 2)], [([0], 1), ([1], 1)]]
+        for step in tqdm(steps, desc="engine.compile: compiling the target's graphs", unit="graph", disable=None):
             if any(len(table) * size < count or max(table) >= blocks for table, count in step):
                 continue
             layout = AttentionLayout([SequenceSlice(block_table=table, start=0,
