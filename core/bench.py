@@ -391,7 +391,8 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             results[name][cat] = s
     plain = llms["plain"]
     return {"model": plain.target.name, "dtype": str(plain.dtype).replace("torch.", ""), "device": str(plain.device),
-            "quantization": plain.config.engine.quantization, "threads": torch.get_num_threads(), "batch_size": batch_size,
+            "quantization": plain.config.engine.quantization, "threads": torch.get_num_threads(),
+            "batch_size": batch_size,
             "temperature": temperature, "max_tokens": max_tokens, "repetitions": repetitions,
             "json_schema": json_schema is not None,
             "categories": list(prompt_sets), "results": results,

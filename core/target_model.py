@@ -282,7 +282,8 @@ class TargetModel:
         Inductor fuses what the transformers code does between the matrix products (norms,
         rotary embeddings, activations, residuals: on the CPU a third of a decode step goes
         to dispatching them) and, on the CPU, freezes the weights and packs them for oneDNN
-        itself, so the linear layers must be stock (``set_linear_forwards(False, False)``);
+        itself where the linear layers are stock (``set_linear_forwards(False, False)``; a
+        quantized target's layers are not, and it is not frozen);
         products that share an input (q/k/v, gate/up) become one. Three graphs, each
         compiled on its first call: one token of one sequence (a decode at batch 1) and
         two or more tokens of one sequence (a prompt chunk, a draft chain or tree at batch
@@ -295,6 +296,10 @@ class TargetModel:
         """
         model = self.model
         self._trace_sequences = not paged_attention_is_triton(self.device)
+        # Freezing packs stock linear weights for oneDNN; a quantized target has none, and
+        # freezing's passes run again in every process (the embedded model in w4a8 reached
+        # its first token 60 s after start frozen, 23 s not, torch's caches warm).
+        self._freeze = self.device.type == "cpu" and any(isinstance(m, torch.nn.Linear) for m in model.modules())
 
         def logits(input_ids, position_ids, rows, sequence):
             return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows,
@@ -346,7 +351,7 @@ class TargetModel:
             # torch.compile left the weights unpacked, torch 2.13). Without the size, stride
             # and alignment checks inductor adds after every operator it does not generate,
             # a step is faster; the products that share an input (q/k/v, gate/up) run as one.
-            with torch._inductor.config.patch({"freezing": self.device.type == "cpu", "size_asserts": False,
+            with torch._inductor.config.patch({"freezing": self._freeze, "size_asserts": False,
                                                "alignment_asserts": False, "scalar_asserts": False,
                                                "cpp.enable_concat_linear": True}):
                 return self._compiled(ids, positions, rows, sequence)[0, :count].float()

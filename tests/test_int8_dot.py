@@ -46,6 +46,12 @@ def test_kernels_equal_their_reference_bit_for_bit(n, k, t):
     bias = torch.randn(n)
     assert torch.equal(int8_dot.q8_linear(x, packed8, scale8, n, bias),
                        int8_dot.q8_linear_reference(x, w8, scale) + bias)
+    # bfloat16 in and out: the float32 result (bias added) rounded once, as torch rounds
+    xb = x.bfloat16()
+    assert torch.equal(int8_dot.q4_linear(xb, packed, dm, n, bias),
+                       (int8_dot.q4_linear_reference(xb, codes, d, m) + bias).bfloat16())
+    assert torch.equal(int8_dot.q8_linear(xb, packed8, scale8, n),
+                       int8_dot.q8_linear_reference(xb, w8, scale).bfloat16())
     # and what the reference computes is the product of the dequantized weights, within the rounding
     wf = codes.float() * d.half().float().repeat_interleave(32, 1) + m.half().float().repeat_interleave(32, 1)
     exact = x @ wf.T

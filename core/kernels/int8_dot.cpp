@@ -26,7 +26,9 @@
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -36,13 +38,20 @@ constexpr int TOKEN_TILE = 8;  // tokens sharing one pass over a group's weights
 
 // -- activations -------------------------------------------------------------------------
 
-// One block of 32 floats: codes into `a`, returns the code sum; `scale` gets amax / 127.
-inline int32_t quantize_block(const float* x, int8_t* a, float* scale) {
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {  // a bfloat16 is the high half of a float32
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+
+// One block of 32 inputs: codes into `a`, returns the code sum; `scale` gets amax / 127.
+template <typename T>
+inline int32_t quantize_block(const T* x, int8_t* a, float* scale) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
   __m256 mx = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
+    v[i] = load8(x + 8 * i);
     mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
   }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
@@ -65,23 +74,83 @@ inline int32_t quantize_block(const float* x, int8_t* a, float* scale) {
   return _mm_cvtsi128_si32(s4);
 }
 
+// A call's activations, quantized: per token and block the codes, the scale s, the code
+// sum and s * sum (the 4-bit minimum's factor). Kept per calling thread and reused, so a
+// call allocates nothing but its output.
+struct Activations {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, scaled_sums;
+  std::vector<int32_t> sums;
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t tokens, int64_t k, Activations& act) {
+  const int64_t blocks = tokens * (k / BLOCK);
+  act.codes.resize(tokens * k);
+  act.scales.resize(blocks);
+  act.scaled_sums.resize(blocks);
+  act.sums.resize(blocks);
+  at::parallel_for(0, blocks, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      act.sums[i] = quantize_block(x + i * BLOCK, act.codes.data() + i * BLOCK, &act.scales[i]);
+      act.scaled_sums[i] = act.scales[i] * static_cast<float>(act.sums[i]);
+    }
+  });
+}
+
+void quantize_tensor(const at::Tensor& rows, Activations& act) {
+  TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
+              "the integer-dot kernels take float32 or bfloat16 inputs, not ", rows.scalar_type());
+  if (rows.scalar_type() == at::kFloat)
+    quantize_rows(rows.data_ptr<float>(), rows.size(0), rows.size(1), act);
+  else
+    quantize_rows(rows.data_ptr<c10::BFloat16>(), rows.size(0), rows.size(1), act);
+}
+
 // x [T, K] -> codes [T, K] int8, scales [T, K/32] float, code sums [T, K/32] int32
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % BLOCK == 0, "quantize_q8: x must be 2-D with a multiple of ", BLOCK,
               " columns");
-  at::Tensor rows = x.to(at::kFloat).contiguous();
-  const int64_t t = rows.size(0), k = rows.size(1), blocks = k / BLOCK;
+  const at::Tensor rows = x.contiguous();
+  Activations act;
+  quantize_tensor(rows, act);
+  const int64_t t = rows.size(0), k = rows.size(1);
   at::Tensor codes = at::empty({t, k}, rows.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({t, blocks}, rows.options());
-  at::Tensor sums = at::empty({t, blocks}, rows.options().dtype(at::kInt));
-  const float* xp = rows.data_ptr<float>();
-  int8_t* ap = codes.data_ptr<int8_t>();
-  float* sp = scales.data_ptr<float>();
-  int32_t* up = sums.data_ptr<int32_t>();
-  at::parallel_for(0, t * blocks, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) up[i] = quantize_block(xp + i * BLOCK, ap + i * BLOCK, sp + i);
-  });
+  at::Tensor scales = at::empty({t, k / BLOCK}, rows.options().dtype(at::kFloat));
+  at::Tensor sums = at::empty({t, k / BLOCK}, rows.options().dtype(at::kInt));
+  std::copy(act.codes.begin(), act.codes.end(), codes.data_ptr<int8_t>());
+  std::copy(act.scales.begin(), act.scales.end(), scales.data_ptr<float>());
+  std::copy(act.sums.begin(), act.sums.end(), sums.data_ptr<int32_t>());
   return {codes, scales, sums};
+}
+
+// -- outputs ----------------------------------------------------------------------------
+
+// Eight results (bias added, if any) in the output's dtype: bfloat16 rounded to nearest,
+// ties to even, as torch rounds (NaN stays NaN).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+// One token's results for a group's `count` rows (16 but in a last, partial group).
+template <typename Out>
+inline void store_group(const float* y, const float* bias, Out* out, int64_t count) {
+  if (count == GROUP) {
+    for (int h = 0; h < GROUP; h += 8) {
+      __m256 v = _mm256_loadu_ps(y + h);
+      if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + h));
+      store8(out + h, v);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<Out>(bias != nullptr ? y[i] + bias[i] : y[i]);
 }
 
 // -- integer dot products of one group of 16 rows with one token's block ------------------
@@ -153,7 +222,7 @@ constexpr int LANES = GROUP / HALVES;
 // 16 m, float16.
 template <int TT>
 inline void q4_tile(const int8_t* a, const float* s, const float* sa, int64_t k, const uint8_t* w,
-                    const at::Half* dm, float* out, int64_t out_stride) {
+                    const at::Half* dm, float* out) {
   const int64_t blocks = k / BLOCK;
   for (int half = 0; half < HALVES; ++half) {
     FloatVec y[TT];
@@ -176,7 +245,7 @@ inline void q4_tile(const int8_t* a, const float* s, const float* sa, int64_t k,
         y[t] = fadd(y[t], fmul(m, fset(sa[t * blocks + b])));
       }
     }
-    for (int t = 0; t < TT; ++t) fstore(out + t * out_stride + half * LANES, y[t]);
+    for (int t = 0; t < TT; ++t) fstore(out + t * GROUP + half * LANES, y[t]);
   }
 }
 
@@ -184,7 +253,7 @@ inline void q4_tile(const int8_t* a, const float* s, const float* sa, int64_t k,
 // of it row r's column 4c+i, stored as code + 128. scale: 16 floats per group.
 template <int TT>
 inline void q8_tile(const int8_t* a, const float* s, const int32_t* sums, int64_t k, const uint8_t* w,
-                    const float* scale, float* out, int64_t out_stride) {
+                    const float* scale, float* out) {
   const int64_t blocks = k / BLOCK;
   for (int half = 0; half < HALVES; ++half) {
     FloatVec y[TT];
@@ -202,7 +271,7 @@ inline void q8_tile(const int8_t* a, const float* s, const int32_t* sums, int64_
       }
     }
     const FloatVec sc = load_floats(scale, half);
-    for (int t = 0; t < TT; ++t) fstore(out + t * out_stride + half * LANES, fmul(y[t], sc));
+    for (int t = 0; t < TT; ++t) fstore(out + t * GROUP + half * LANES, fmul(y[t], sc));
   }
 }
 
@@ -210,48 +279,64 @@ inline void q8_tile(const int8_t* a, const float* s, const int32_t* sums, int64_
 // (4-bit: s * sum(a), the minimum's factor; 8-bit: the code sums) and the tiles themselves.
 struct Q4 {
   using Aux = float;
-  static at::Tensor aux(const at::Tensor& scales, const at::Tensor& sums) { return scales * sums.to(at::kFloat); }
+  static const Aux* aux(const Activations& act) { return act.scaled_sums.data(); }
   template <int TT>
   static void tile(const int8_t* a, const float* s, const Aux* sa, int64_t k, const uint8_t* w, const void* scales,
-                   float* out, int64_t stride) {
-    q4_tile<TT>(a, s, sa, k, w, static_cast<const at::Half*>(scales), out, stride);
+                   float* out) {
+    q4_tile<TT>(a, s, sa, k, w, static_cast<const at::Half*>(scales), out);
   }
 };
 struct Q8 {
   using Aux = int32_t;
-  static at::Tensor aux(const at::Tensor&, const at::Tensor& sums) { return sums; }
+  static const Aux* aux(const Activations& act) { return act.sums.data(); }
   template <int TT>
-  static void tile(const int8_t* a, const float* s, const Aux* sums, int64_t k, const uint8_t* w,
-                   const void* scales, float* out, int64_t stride) {
-    q8_tile<TT>(a, s, sums, k, w, static_cast<const float*>(scales), out, stride);
+  static void tile(const int8_t* a, const float* s, const Aux* sums, int64_t k, const uint8_t* w, const void* scales,
+                   float* out) {
+    q8_tile<TT>(a, s, sums, k, w, static_cast<const float*>(scales), out);
   }
 };
 
-// Every token of the call against one group: full tiles of TOKEN_TILE, then the rest.
+// Up to TOKEN_TILE tokens against one group: TT a template argument, so that the tile's
+// accumulators stay in registers.
 template <typename Kind>
-void group_rows(int64_t tokens, int64_t k, const int8_t* a, const float* s, const typename Kind::Aux* sums,
-                const uint8_t* w,
-                const void* scales, float* out, int64_t stride) {
-  const int64_t blocks = k / BLOCK;
-  int64_t t = 0;
-  for (; t + TOKEN_TILE <= tokens; t += TOKEN_TILE)
-    Kind::template tile<TOKEN_TILE>(a + t * k, s + t * blocks, sums + t * blocks, k, w, scales, out + t * stride,
-                                    stride);
-  const int64_t rest = tokens - t;
-  const int8_t* at = a + t * k;
-  const float* sp = s + t * blocks;
-  const typename Kind::Aux* up = sums + t * blocks;
-  float* op = out + t * stride;
-  switch (rest) {
-    case 7: Kind::template tile<7>(at, sp, up, k, w, scales, op, stride); break;
-    case 6: Kind::template tile<6>(at, sp, up, k, w, scales, op, stride); break;
-    case 5: Kind::template tile<5>(at, sp, up, k, w, scales, op, stride); break;
-    case 4: Kind::template tile<4>(at, sp, up, k, w, scales, op, stride); break;
-    case 3: Kind::template tile<3>(at, sp, up, k, w, scales, op, stride); break;
-    case 2: Kind::template tile<2>(at, sp, up, k, w, scales, op, stride); break;
-    case 1: Kind::template tile<1>(at, sp, up, k, w, scales, op, stride); break;
-    default: break;
+void tile_of(int64_t tt, const int8_t* a, const float* s, const typename Kind::Aux* aux, int64_t k,
+             const uint8_t* w, const void* scales, float* out) {
+  switch (tt) {
+    case 8: Kind::template tile<8>(a, s, aux, k, w, scales, out); break;
+    case 7: Kind::template tile<7>(a, s, aux, k, w, scales, out); break;
+    case 6: Kind::template tile<6>(a, s, aux, k, w, scales, out); break;
+    case 5: Kind::template tile<5>(a, s, aux, k, w, scales, out); break;
+    case 4: Kind::template tile<4>(a, s, aux, k, w, scales, out); break;
+    case 3: Kind::template tile<3>(a, s, aux, k, w, scales, out); break;
+    case 2: Kind::template tile<2>(a, s, aux, k, w, scales, out); break;
+    default: Kind::template tile<1>(a, s, aux, k, w, scales, out);
   }
+}
+
+// multiply-adds a task gets at least: a small product runs on one thread, without the
+// fork and join
+constexpr int64_t TASK_WORK = 1 << 18;
+
+template <typename Kind, typename Out>
+void run(const Activations& act, int64_t tokens, int64_t k, const uint8_t* packed, int64_t group_bytes,
+         const char* scales, int64_t scale_bytes, const float* bias, Out* out, int64_t n) {
+  const int64_t groups = (n + GROUP - 1) / GROUP, blocks = k / BLOCK;
+  const typename Kind::Aux* aux = Kind::aux(act);
+  const int64_t grain = std::max<int64_t>(1, TASK_WORK / (GROUP * k * tokens));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float buf[TOKEN_TILE * GROUP];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t rows = std::min<int64_t>(GROUP, n - g * GROUP);
+      for (int64_t t = 0; t < tokens; t += TOKEN_TILE) {
+        const int64_t tt = std::min<int64_t>(TOKEN_TILE, tokens - t);
+        tile_of<Kind>(tt, act.codes.data() + t * k, act.scales.data() + t * blocks, aux + t * blocks, k,
+                      packed + g * group_bytes, scales + g * scale_bytes, buf);
+        for (int64_t i = 0; i < tt; ++i)
+          store_group(buf + i * GROUP, bias == nullptr ? nullptr : bias + g * GROUP, out + (t + i) * n + g * GROUP,
+                      rows);
+      }
+    }
+  });
 }
 
 template <typename Kind>
@@ -264,29 +349,31 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
               name, ": packed weights do not match an input of ", k, " columns");
   TORCH_CHECK(scales.is_contiguous(), name, ": scales must be contiguous");
   const int64_t groups = packed.size(0);
-  TORCH_CHECK(n <= groups * GROUP, name, ": ", n, " outputs but ", groups, " groups of ", GROUP);
+  TORCH_CHECK(n <= groups * GROUP && n > (groups - 1) * GROUP, name, ": ", n, " outputs in ", groups, " groups of ",
+              GROUP);
   std::vector<int64_t> out_shape = x.sizes().vec();
   out_shape.back() = n;
-  auto [codes, act_scales, sums] = quantize_q8(x.reshape({-1, k}));
-  const at::Tensor aux = Kind::aux(act_scales, sums);
-  const int64_t tokens = codes.size(0);
-  at::Tensor acc = at::empty({tokens, groups * GROUP}, act_scales.options());
-  const int8_t* ap = codes.data_ptr<int8_t>();
-  const float* sp = act_scales.data_ptr<float>();
-  const typename Kind::Aux* up = aux.data_ptr<typename Kind::Aux>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::Tensor rows = x.reshape({-1, k}).contiguous();
+  thread_local Activations act;
+  quantize_tensor(rows, act);
+  const int64_t tokens = rows.size(0);
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, name, ": the bias has ", bias->numel(), " values for ", n, " outputs");
+    bias_f = at::zeros({groups * GROUP}, rows.options().dtype(at::kFloat));
+    bias_f.narrow(0, 0, n).copy_(bias->reshape({-1}));
+  }
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({tokens, n}, rows.options());
   const char* scp = static_cast<const char*>(scales.data_ptr());
   const int64_t scale_bytes = scales.numel() * scales.element_size() / groups;
-  float* op = acc.data_ptr<float>();
-  const int64_t row_bytes = packed.size(1);
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      group_rows<Kind>(tokens, k, ap, sp, up, wp + g * row_bytes, scp + g * scale_bytes, op + g * GROUP,
-                       groups * GROUP);
-  });
-  at::Tensor y = n == groups * GROUP ? acc : acc.narrow(1, 0, n);
-  if (bias.has_value() && bias->defined()) y = y + bias->to(at::kFloat);
-  return y.to(x.scalar_type()).view(out_shape);
+  if (rows.scalar_type() == at::kFloat)
+    run<Kind>(act, tokens, k, packed.data_ptr<uint8_t>(), packed.size(1), scp, scale_bytes, bp,
+              out.data_ptr<float>(), n);
+  else
+    run<Kind>(act, tokens, k, packed.data_ptr<uint8_t>(), packed.size(1), scp, scale_bytes, bp,
+              out.data_ptr<c10::BFloat16>(), n);
+  return out.view(out_shape);
 }
 
 // packed [groups, K/2 * 16] uint8, dm [groups, K/32 * 32] float16 (per block 16 d, 16 m)

@@ -125,7 +125,9 @@ def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     """``x`` ``[T, K]`` -> ``(codes [T, K] int8, scales [T, K/32] float32, code sums [T, K/32] int32)``."""
     blocks = x.float().reshape(x.shape[0], -1, BLOCK)
     amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a tensor divided by a tensor: ``127.0 / amax`` would multiply by amax's reciprocal,
+    # rounding twice where the kernel divides once
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inv[..., None]).to(torch.int32)
     return codes.to(torch.int8).reshape(x.shape), amax / 127.0, codes.sum(-1, dtype=torch.int32)
 
