@@ -147,7 +147,7 @@ def resolve_quantization(mode: str | None, dtype: str, device: torch.device, ggu
     whose linear layers are all blocks the 4-bit layers take as they are (Q4_0, Q4_1), on a
     CPU where the integer-dot kernels are built, with ``dtype`` left at ``auto``: the file's
     own weights, run as llama.cpp runs them. Anything else loads unquantized (a quantized file
-    dequantized, logged once with its scheme). A 4-bit mode asked for by name on a GGUF file
+    dequantized, with a log line naming its scheme). A 4-bit mode asked for by name on a GGUF file
     of other schemes is an error naming them: its weights would be rounded twice."""
     if mode != "auto":
         if mode is not None and layer_classes(mode)[0] is not None and gguf is not None:

@@ -45,10 +45,18 @@ class PackedLinear(nn.Module):
     the dtype of its scales). ``weight`` gives the dequantized matrix, for drafters that
     read a head's rows; the forward never builds it."""
 
+    #: whose weights are 4-bit groups (constructed from codes, scales and minimums), not int8 rows
+    four_bit = False
+
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> PackedLinear:
+        """The layer of a full-precision ``weight``, rounded to nearest."""
+        return cls(*(quantize_groups_int4(weight) if cls.four_bit else quantize_rows_int8(weight)), bias, dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -68,11 +76,6 @@ class Int8Linear(PackedLinear):
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scale", scale.to(dtype))
 
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
-        codes, scale = quantize_rows_int8(weight)
-        return cls(codes, scale, bias, dtype)
-
     @property
     def weight(self) -> torch.Tensor:
         return self.codes.to(self.dtype) * self.scale[:, None]
@@ -88,6 +91,8 @@ class Int4Linear(PackedLinear):
     """``w = q * scale + minimum`` per group of :data:`GROUP_SIZE` input columns, ``q`` in 0..15,
     packed for torch's CPU int4 kernel (whose zero point is ``minimum + 8 * scale``)."""
 
+    four_bit = True
+
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype):
         """``codes`` ``[out, in]`` integers 0..15; ``scale``, ``minimum`` ``[out, in / 32]``."""
@@ -96,11 +101,6 @@ class Int4Linear(PackedLinear):
         scale_zero = torch.stack([scale.float(), minimum.float() + 8 * scale.float()], -1).transpose(0, 1)
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero.contiguous().to(dtype))
-
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
-        codes, scale, minimum = quantize_groups_int4(weight)
-        return cls(codes, scale, minimum, bias, dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -126,11 +126,6 @@ class W8A8Linear(PackedLinear):
         self.register_buffer("packed", packed)
         self.register_buffer("scale", scale)
 
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> W8A8Linear:
-        codes, scale = quantize_rows_int8(weight)
-        return cls(codes, scale, bias, dtype)
-
     @property
     def weight(self) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features))
@@ -150,6 +145,8 @@ class W4A8Linear(PackedLinear):
     """``w = q * scale + minimum`` per group of :data:`GROUP_SIZE` input columns (scale and
     minimum float16), on the integer-dot kernel: ``x`` quantized to 8 bits per token and block."""
 
+    four_bit = True
+
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype):
         """``codes`` ``[out, in]`` integers 0..15; ``scale``, ``minimum`` ``[out, in / 32]``."""
@@ -158,11 +155,6 @@ class W4A8Linear(PackedLinear):
         packed, dm = int8_dot.pack_q4(codes, scale, minimum)
         self.register_buffer("packed", packed)
         self.register_buffer("dm", dm)
-
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> W4A8Linear:
-        codes, scale, minimum = quantize_groups_int4(weight)
-        return cls(codes, scale, minimum, bias, dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -325,7 +317,7 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict
             new = four_bit.from_weight(read(module.weight), bias, dtype)
         else:
             new = _int8_layer(mode, *quantize_rows_int8(read(module.weight)), bias, dtype)
-        counts["int4" if isinstance(new, (Int4Linear, W4A8Linear)) else "int8"] += 1
+        counts["int4" if new.four_bit else "int8"] += 1
         _set_module(model, name, new)
     new_head = model.get_output_embeddings()
     if tied and isinstance(new_head, W8A8Linear) and (file_embedding is not None or type(embed) is nn.Embedding):
