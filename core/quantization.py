@@ -134,8 +134,10 @@ class W8A8Linear(PackedLinear):
         """The dequantized rows ``ids`` (an embedding's lookup of a tied head)."""
         return int8_dot.unpack_q8_rows(self.packed, ids).to(self.dtype) * self.scale[ids][..., None].to(self.dtype)
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return int8_dot.q8_linear(rows, self.packed, self.scale, self.out_features)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # one operator call: the kernel takes any leading shape, adds the bias, rounds once
+        return int8_dot.q8_linear(x if x.dtype == self.dtype else x.to(self.dtype), self.packed, self.scale,
+                                  self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row, 8-bit activations"
@@ -162,8 +164,10 @@ class W4A8Linear(PackedLinear):
         groups = lambda t: t.float().repeat_interleave(GROUP_SIZE, 1)  # noqa: E731
         return (codes.float() * groups(d) + groups(m)).to(self.dtype)
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return int8_dot.q4_linear(rows, self.packed, self.dm, self.out_features)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # one operator call: the kernel takes any leading shape, adds the bias, rounds once
+        return int8_dot.q4_linear(x if x.dtype == self.dtype else x.to(self.dtype), self.packed, self.dm,
+                                  self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP_SIZE}, "
