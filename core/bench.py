@@ -152,9 +152,11 @@ LLAMA_CPP_INSTALL = "pip install 'specdec[llama-cpp]' (llama-cpp-python; it comp
 LLAMA_CPP_PLAIN = "llama.cpp"
 
 
-def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int) -> dict:
-    """llama.cpp (``llama-cpp-python``) on ``gguf``: plain greedy decoding and its
-    prompt-lookup drafting (10 tokens), one request at a time, as many threads as torch."""
+def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int, batch_size: int = 1) -> dict:
+    """llama.cpp (``llama-cpp-python``) on ``gguf``, as many threads as torch: plain greedy
+    decoding, a batch's sequences decoded together (:func:`_llama_cpp_batched`) where
+    ``batch_size`` > 1, and its prompt-lookup drafting (10 tokens), one request at a time
+    (its speculative decoding takes one sequence)."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -162,10 +164,11 @@ def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int) -> dict:
         raise ValueError(f"--llama-cpp needs llama-cpp-python: {LLAMA_CPP_INSTALL}") from None
     threads = torch.get_num_threads()
     eos = llm.target.eos_token_ids
+    n_ctx = min(llm.target.max_model_len, 4096)
 
     def system(**extra):
-        model = Llama(model_path=str(gguf), n_ctx=min(llm.target.max_model_len, 4096), n_threads=threads,
-                      n_threads_batch=threads, verbose=False, **extra)
+        model = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
+                      **extra)
 
         def run(conversations: list, res: CategoryResult) -> None:
             res.outputs = res.outputs if res.outputs is not None else []
@@ -184,8 +187,75 @@ def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int) -> dict:
                 res.outputs.append(out)
         return run
 
-    return {LLAMA_CPP_PLAIN: system(), "llama.cpp prompt lookup": system(draft_model=LlamaPromptLookupDecoding(
+    if batch_size == 1:
+        plain = system()
+    else:
+        model = Llama(model_path=str(gguf), n_ctx=64, n_threads=threads, verbose=False)
+        plain = _llama_cpp_batched(llm, model, min(n_ctx, 2048) * batch_size, batch_size, threads, max_tokens)
+    return {LLAMA_CPP_PLAIN: plain, "llama.cpp prompt lookup": system(draft_model=LlamaPromptLookupDecoding(
         num_pred_tokens=10))}
+
+
+def _llama_cpp_batched(llm: LLM, model, n_ctx: int, batch_size: int, threads: int, max_tokens: int):
+    """llama.cpp's greedy decoding of a batch's sequences together, as its server decodes
+    parallel requests: a context of ``batch_size`` sequences over one KV cache, each step one
+    ``llama_decode`` of every unfinished sequence's newest token (prompts prefilled one
+    sequence at a time). Through the bindings' low-level API: their ``Llama`` class holds
+    one sequence."""
+    import llama_cpp
+    import numpy as np
+
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, 512, 512, batch_size
+    params.n_threads = params.n_threads_batch = threads
+    params.kv_unified = True
+    ctx = llama_cpp.llama_init_from_model(model._model.model, params)
+    if not ctx:
+        raise ValueError(f"llama.cpp could not make a context of {batch_size} sequences and {n_ctx} tokens")
+    vocab, eos = model.n_vocab(), set(llm.target.eos_token_ids)
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, batch_size)
+
+    def decode(tokens: list[tuple[int, int, int, bool]]) -> None:
+        """One ``llama_decode`` of ``(token, position, sequence, wants logits)``."""
+        for i, (token, pos, seq, logits) in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        batch.n_tokens = len(tokens)
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def argmax(i: int) -> int:
+        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
+
+    def run(conversations: list, res: CategoryResult, model=model) -> None:  # the context needs the model alive
+        res.outputs = res.outputs if res.outputs is not None else []
+        prompts = [llm.apply_chat_template(conv) for conv in conversations]
+        outs: list[list[int]] = [[] for _ in prompts]
+        started = time.perf_counter()
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        nxt = {}
+        for seq, prompt in enumerate(prompts):
+            for start in range(0, len(prompt), params.n_batch):
+                chunk = prompt[start:start + params.n_batch]
+                decode([(t, start + j, seq, start + j == len(prompt) - 1) for j, t in enumerate(chunk)])
+            nxt[seq] = argmax(len(chunk) - 1)
+        while nxt:
+            for seq, token in list(nxt.items()):
+                if token in eos:
+                    del nxt[seq]
+                    continue
+                outs[seq].append(token)
+                if len(outs[seq]) == max_tokens:
+                    del nxt[seq]
+            order = list(nxt)
+            if order:
+                decode([(nxt[seq], len(prompts[seq]) + len(outs[seq]) - 1, seq, True) for seq in order])
+                nxt = {seq: argmax(i) for i, seq in enumerate(order)}
+        res.seconds += time.perf_counter() - started
+        res.tokens += sum(map(len, outs))
+        res.outputs.extend(outs)
+
+    return run
 
 
 def llama_cpp_headline(report: dict) -> str | None:
@@ -332,7 +402,7 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
     llms = fresh_llms()
     systems = hf_systems(llms["plain"], max_tokens, assistant_layers) if compare_hf else {}
     if compare_llama_cpp:
-        systems.update(llama_cpp_systems(llms["plain"], gguf, max_tokens))
+        systems.update(llama_cpp_systems(llms["plain"], gguf, max_tokens, batch_size))
     labels = list(llms) + list(systems)
     raw: dict[str, dict[str, CategoryResult]] = {name: {c: CategoryResult() for c in prompt_sets} for name in labels}
     # Interleaved batch by batch (a category's next ``batch_size`` requests), in an order that

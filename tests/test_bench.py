@@ -219,6 +219,12 @@ def test_bench_llama_cpp_beside_an_int4_target(tmp_path):
     # greedy either way: llama.cpp's own prompt lookup emits llama.cpp's plain text
     assert report["results"]["llama.cpp"]["chat"]["tokens"] == report["results"]["llama.cpp prompt lookup"]["chat"][
         "tokens"]
+    # at batch 3 llama.cpp decodes the three sequences together, each to its end
+    result = specdec("bench", "plain", "--llama-cpp", "--device", "cpu", "--categories", "chat", "--batch-size", "3",
+                     "--max-tokens", "12", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    chat = json.loads(out.read_text())["results"]["llama.cpp"]["chat"]
+    assert 3 <= chat["tokens"] <= 36 and chat["identical_to_plain"].endswith("/3")
 
 
 def test_llama_cpp_errors_name_the_fix(tmp_path, monkeypatch, tiny_models):
@@ -286,7 +292,7 @@ def test_with_llama_cpp_every_system_has_its_ratio_to_llama_cpp_plain_and_the_ta
             res.seconds += len(conversations)
         return run
 
-    monkeypatch.setattr(bench, "llama_cpp_systems", lambda llm, gguf, max_tokens: {
+    monkeypatch.setattr(bench, "llama_cpp_systems", lambda llm, gguf, max_tokens, batch_size: {
         "llama.cpp": fake(20), "llama.cpp prompt lookup": fake(10)})
     report = bench.run_bench(config_from_dict({"dtype": "float32"}), ["ngram"], None, ["chat"], batch_size=1,
                              temperature=0.0, max_tokens=8, repetitions=1, compare_hf=False, compare_llama_cpp=True)
