@@ -63,22 +63,32 @@ class GrammarCompiler:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.eos_token_ids)
         return self._ll_tokenizer
 
-    def grammar(self, spec: StructuredOutputs) -> Grammar:
-        """A matcher at the start of the output; a RequestError saying what is wrong with
-        ``spec`` if llguidance refuses it."""
-        text = grammar_text(spec)
+    def check(self, spec: StructuredOutputs) -> None:
+        """Compile ``spec`` now (cached); a RequestError saying what is wrong with it if
+        llguidance refuses it."""
         with self._lock:
-            fresh = self._compiled.get(text)
-            if fresh is None:
-                fresh = llguidance.LLMatcher(self._tokenizer(), text, log_level=0)
-                if fresh.is_error():
-                    raise RequestError(f"structured_outputs.{spec.kind} is not a grammar llguidance accepts: "
-                                       f"{fresh.get_error().strip()}")
-                self._compiled[text] = fresh
-                if len(self._compiled) > GRAMMAR_CACHE_SIZE:
-                    self._compiled.popitem(last=False)
-            self._compiled.move_to_end(text)
-            return Grammar(fresh.deep_copy(), self._tokenizer().vocab_size, frozenset(self.eos_token_ids))
+            self._compiled_matcher(spec)
+
+    def grammar(self, spec: StructuredOutputs) -> Grammar:
+        """A matcher at the start of the output, a copy of the compiled one; errors as :meth:`check`."""
+        with self._lock:
+            fresh = self._compiled_matcher(spec).deep_copy()
+        return Grammar(fresh, self._tokenizer().vocab_size, frozenset(self.eos_token_ids))
+
+    def _compiled_matcher(self, spec: StructuredOutputs):
+        """The cached matcher of ``spec`` (compiled on first use); the caller holds the lock."""
+        text = grammar_text(spec)
+        compiled = self._compiled.get(text)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self._tokenizer(), text, log_level=0)
+            if compiled.is_error():
+                raise RequestError(f"structured_outputs.{spec.kind} is not a grammar llguidance accepts: "
+                                   f"{compiled.get_error().strip()}")
+            self._compiled[text] = compiled
+            if len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(text)
+        return compiled
 
 
 class Grammar:

@@ -203,7 +203,7 @@ class Engine:
         longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
         self.kv.check_fits(longest)
         if params.structured_outputs is not None:
-            self.grammars.grammar(params.structured_outputs)  # a RequestError naming what llguidance refused
+            self.grammars.check(params.structured_outputs)  # a RequestError naming what llguidance refused
 
     def abort(self, request_id: str) -> None:
         """Cancel a request and free its KV blocks (no-op if it already ended)."""
