@@ -360,8 +360,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, name, ": the bias has ", bias->numel(), " values for ", n, " outputs");
-    bias_f = at::zeros({groups * GROUP}, rows.options().dtype(at::kFloat));
-    bias_f.narrow(0, 0, n).copy_(bias->reshape({-1}));
+    bias_f = bias->reshape({-1}).to(at::kFloat).contiguous();  // no copy for a float32 bias; a last,
+                                                                 // partial group reads only its rows
   }
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({tokens, n}, rows.options());
