@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 
 import attrs
@@ -12,27 +13,27 @@ from tqdm import tqdm
 
 from .config import EngineConfig, SpecdecConfig
 from .config_loading import config_from_dict, load_config, merge_overrides, unstructure
-from .errors import ModelLoadError, RequestError
+from .errors import RequestError
 from .executor.engine import Engine
 from .executor.metrics import RequestMetrics
 from .kernels import prepack_linears
 from .models import (
     gguf_file,
-    load_causal_lm,
     load_tokenizer,
+    load_weights,
     model_display_name,
-    quantize_target,
+    read_model_config,
+    resolve_device,
+    resolve_dtype,
     resolve_model_dir,
     resolve_quantization,
 )
+from .parallel import ShardedTarget, TensorParallelGroup, check_divides, run_worker, shard_model, threads_per_rank
 from .plugins import drafter_plugin_manager, get_registry
 from .sampling_params import SamplingParams
 from .target_model import TargetModel
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @attrs.define
 class CompletionOutput:
@@ -69,19 +70,6 @@ class RequestOutput:
         return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("device: cuda was asked for but torch sees no CUDA device; use device: cpu or auto")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    # bfloat16 by default on CPU too: verifying 8 draft tokens costs barely more than 1 there.
-    return torch.bfloat16 if dtype == "auto" else DTYPES[dtype]
-
-
 class LLM:
     """A target model, optionally with a drafting method, ready to generate.
 
@@ -93,19 +81,24 @@ class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  speculative_config: dict | None = None, dtype: str = "auto", device: str = "auto",
                  engine: dict | EngineConfig | None = None, sampling: dict | SamplingParams | None = None,
-                 seed: int = 0, config: SpecdecConfig | None = None):
+                 seed: int = 0, config: SpecdecConfig | None = None, tensor_parallel_size: int | None = None):
         if config is None:
+            engine = unstructure(engine) if isinstance(engine, EngineConfig) else dict(engine or {})
+            if tensor_parallel_size is not None:
+                engine["tensor_parallel_size"] = tensor_parallel_size
             data = {"model": model, "tokenizer": tokenizer, "dtype": dtype, "device": device,
-                    "speculative_config": speculative_config,
-                    "engine": unstructure(engine) if isinstance(engine, EngineConfig) else (engine or {}),
+                    "speculative_config": speculative_config, "engine": engine,
                     "sampling": unstructure(sampling) if isinstance(sampling, SamplingParams) else (sampling or {})}
             config = config_from_dict(data)
-        if config.engine.num_threads:
-            torch.set_num_threads(config.engine.num_threads)
+        elif tensor_parallel_size is not None:
+            config = attrs.evolve(config, engine=attrs.evolve(config.engine, tensor_parallel_size=tensor_parallel_size))
+        tp = config.engine.tensor_parallel_size
+        if tp > 1 or config.engine.num_threads:
+            torch.set_num_threads(threads_per_rank(config))
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype)
         quantization = resolve_quantization(config.engine.quantization, config.dtype, self.device,
-                                            gguf_file(config.model))
+                                            gguf_file(config.model), tp)
         if quantization != config.engine.quantization:
             config = attrs.evolve(config, engine=attrs.evolve(config.engine, quantization=quantization))
         self.config = config
@@ -114,16 +107,37 @@ class LLM:
         spec = config.speculative_config
         if spec is not None:
             registry.resolve(spec.decoding_type)
-        path = resolve_model_dir(config.model)
+        #: the tensor-parallel group this rank 0 leads (None at tensor_parallel_size 1)
+        self.group = None
+        if tp > 1:
+            check_divides(read_model_config(config.model), tp)
+            self.group = TensorParallelGroup.start(config, self.device)
+            weakref.finalize(self, self.group.close)
+        if self.group is not None and self.group.rank != 0:  # a worker of a torchrun launch
+            try:
+                run_worker(config, self.group, self.dtype)
+            finally:
+                self.group.close()
+            raise SystemExit(0)
+        try:
+            self._load(config, spec, registry, seed)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, config: SpecdecConfig, spec, registry, seed: int) -> None:
+        model_obj, path = load_weights(config.model, config.engine.quantization, self.dtype,
+                                       self.group.device if self.group is not None else self.device)
         tok_path = resolve_model_dir(config.tokenizer) if config.tokenizer else path
         self.tokenizer = load_tokenizer(tok_path)
-        if config.engine.quantization:
-            model_obj = quantize_target(path, config.engine.quantization, self.dtype, self.device,
-                                        gguf_file(config.model))
+        name = model_display_name(config.model, path)
+        if self.group is None:
+            self.target = TargetModel(model_obj, self.tokenizer, name, max_model_len=config.engine.max_model_len,
+                                      path=path)
         else:
-            model_obj = load_causal_lm(path, self.dtype, self.device)
-        self.target = TargetModel(model_obj, self.tokenizer, model_display_name(config.model, path),
-                                  max_model_len=config.engine.max_model_len, path=path)
+            shard_model(model_obj, 0, self.group.size, self.group)
+            self.target = ShardedTarget(model_obj, self.tokenizer, name, self.group,
+                                        max_model_len=config.engine.max_model_len, path=path)
         hooks = self.drafter = None
         if spec is not None:
             self.drafter = registry.create_drafter(spec, self.target)
@@ -132,6 +146,18 @@ class LLM:
                     prepack_linears(module)
             hooks = drafter_plugin_manager(self.drafter, spec.decoding_type)
         self.engine = Engine(self.target, config.engine, spec, hooks, seed=seed)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave their group (nothing at size 1);
+        called at exit too. The LLM cannot generate afterwards."""
+        if getattr(self, "group", None) is not None:
+            self.group.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, **overrides) -> LLM:

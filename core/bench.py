@@ -383,6 +383,9 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
     if compare_llama_cpp and gguf is None:
         raise ValueError("--llama-cpp runs the GGUF file the target comes from: use the embedded model or "
                          "--model FILE.gguf")
+    if compare_hf and base.engine.tensor_parallel_size > 1:
+        raise ValueError("--hf runs transformers' generate() on the target, which is sharded under tensor "
+                         "parallelism; leave out --hf or --tensor-parallel-size")
     if json_schema is not None and (compare_hf or compare_llama_cpp):
         raise ValueError("--json-schema constrains specdec's methods only: leave out --hf and --llama-cpp")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0,

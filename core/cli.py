@@ -28,7 +28,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-draft-len", "-k", type=int)
     g.add_argument("--max-batch-size", type=int)
     g.add_argument("--max-model-len", type=int)
-    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--threads", type=int, help="torch CPU threads (of each rank under tensor parallelism)")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, metavar="N",
+                   help="shard the target over N ranks: processes specdec starts on this machine, or the ranks of "
+                        "a torchrun launch (--nnodes, --node-rank, --master-addr) across machines")
     g.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="quantized target on CPU: int8/int4 weights on torch's kernels, w8a8/w4a8 the same weights "
                         "with 8-bit activations on specdec's integer-dot kernels (a GGUF's own 4-bit blocks are "
@@ -50,6 +53,7 @@ def _resolve_config(args) -> SpecdecConfig:
         "model": args.model, "dtype": args.dtype, "device": args.device,
         "engine.max_batch_size": args.max_batch_size, "engine.max_model_len": args.max_model_len,
         "engine.num_threads": args.threads, "engine.quantization": args.quantization,
+        "engine.tensor_parallel_size": args.tensor_parallel_size,
         "sampling.max_tokens": args.max_tokens, "sampling.temperature": args.temperature,
         "sampling.top_k": args.top_k, "sampling.top_p": args.top_p, "sampling.seed": args.seed,
     }

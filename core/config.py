@@ -256,6 +256,12 @@ class EngineConfig:
             (minutes on a small CPU), then each step costs less and memory grows
             (Performance: "Compiled target forward"). Not with ``batch_invariant: true``
             (``auto`` is then off). Off by default.
+        tensor_parallel_size: ranks the target is sharded over (transformers' tensor-parallel
+            plan; heads, KV heads and MLP width must divide by it). On one machine specdec
+            starts the other ranks itself; under ``torchrun`` every rank runs the program and
+            rank 0 serves. Eager and unquantized. Default 1.
+        distributed_timeout_s: the longest any collective of a tensor-parallel group waits
+            before the engine reports the worker that did not answer. Default 60.
         cuda_graphs: on a CUDA target, replay captured CUDA graphs of the forward for steps
             of up to 512 tokens (decodes, draft chains and trees; prompt chunks up to 64
             tokens), padded into buckets of sequences and tokens
@@ -280,6 +286,23 @@ class EngineConfig:
     prepack_weights: bool = True
     compile: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _compile_alone(inst, value))
     cuda_graphs: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _graphs_alone(inst, value))
+    tensor_parallel_size: int = attrs.field(
+        default=1, validator=[in_range(1, 1024), lambda inst, attribute, value: _eager_tp(inst, value)])
+    distributed_timeout_s: float = attrs.field(default=60.0, validator=in_range(1, None))
+
+
+def _eager_tp(engine: EngineConfig, size: int) -> None:
+    """A tensor-parallel target runs eagerly and unquantized."""
+    if size == 1:
+        return
+    for field, on in (("compile", engine.compile), ("cuda_graphs", engine.cuda_graphs)):
+        if on:
+            raise FieldError("tensor_parallel_size", f"cannot be combined with {field}: a tensor-parallel target "
+                                                     f"runs eagerly; turn {field} off")
+    if engine.quantization not in (None, "auto"):
+        raise FieldError("tensor_parallel_size", f"cannot be combined with quantization: {engine.quantization}: "
+                                                 "a tensor-parallel target runs unquantized; set quantization: "
+                                                 "none (auto is none under tensor parallelism)")
 
 
 def _compile_alone(engine: EngineConfig, compile: bool) -> None:

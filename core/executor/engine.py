@@ -31,7 +31,7 @@ from ..errors import FieldError, RequestError
 from ..grammar import GrammarCompiler
 from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
 from ..kernels.invariant import mode_costs_nothing
-from ..kvcache import HiddenStateCache, KVCacheManager, PagedKVCache
+from ..kvcache import HiddenStateCache, KVCacheManager
 from ..quantization import Int4Linear, Int8Linear
 from ..sampling_params import SamplingParams
 from ..target_model import ForwardMetadata, TargetModel
@@ -92,7 +92,7 @@ class Engine:
             target.capture_hidden_layers(self.hidden_layers)
         keep_states = bool(self.hidden_layers) and config.enable_prefix_caching and _reads_prompt_hidden_states(hooks)
         num_blocks = kv_cache_blocks(config, target, len(self.hidden_layers) if keep_states else 0)
-        cache = PagedKVCache(target.layer_shapes, num_blocks, config.block_size, target.dtype, target.device)
+        cache = target.new_kv_cache(num_blocks, config.block_size)
         self.kv = KVCacheManager(cache, num_blocks, config.block_size, config.enable_prefix_caching)
         #: every committed token's hidden states, for requests whose prefix comes from the cache
         self.hidden_cache = (HiddenStateCache(self.hidden_layers, num_blocks * config.block_size, target.hidden_size,
@@ -185,6 +185,7 @@ class Engine:
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """A RequestError if the request can never be served; callers queuing several
         requests check them all first, so a bad one leaves none behind."""
+        self.target.check_healthy()
         if not token_ids:
             raise RequestError("the prompt is empty; give at least one token")
         bad = [t for t in token_ids if not 0 <= t < self.target.vocab_size]

@@ -163,7 +163,8 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
     """Run (or resume) one training run; returns the report also written to OUT/train_report.json."""
     from tqdm import tqdm
 
-    from ..api import LLM, resolve_device
+    from ..api import LLM
+    from ..models import resolve_device
 
     dtype = trainer_class_for(opts.method)
     dtype.trainer_class.check_options(opts.trainer_options)

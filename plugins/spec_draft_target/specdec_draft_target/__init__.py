@@ -87,6 +87,10 @@ def load_draft(config: DraftTargetConfig, target: TargetModel) -> tuple[torch.nn
         model = load_causal_lm(path, target.dtype, target.device)
         check_same_vocabulary(target, model, load_tokenizer(path), source)
         return model, None
+    if target.tensor_parallel_size > 1:
+        raise ModelLoadError(f"speculative_config.draft_layers: a layer-skip draft runs the target's own decoder "
+                             f"layers, which are sharded over {target.tensor_parallel_size} ranks and run only with "
+                             "all of them; give a separate draft model (speculative_config.speculative_model)")
     layers = config.draft_layers or max(1, target.num_layers // 4)
     if layers >= target.num_layers:
         raise ModelLoadError(f"speculative_config.draft_layers: {layers} is not fewer than the target's "

@@ -1,0 +1,351 @@
+"""The tensor-parallel group: processes, process groups, the wire from rank 0, faults.
+
+Rank 0 owns everything but a shard of the target: the API, scheduling, drafting, acceptance.
+On one machine it starts ranks ``1 .. N-1`` itself (``python -m specdec.parallel.worker``,
+killed with it); under ``torchrun`` every rank runs the user's program and ranks other than 0
+turn into workers inside ``LLM()``. Two process groups: the target's own collectives (NCCL on
+GPUs, gloo on CPUs) and a gloo group on which rank 0 sends its operations
+(:mod:`.messages`), both with ``engine.distributed_timeout_s`` on every collective. An idle
+rank 0 sends heartbeats, so a waiting worker times out only when rank 0 is gone; a worker
+that died or stopped answering turns every later call into a :class:`WorkerError` naming it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import datetime
+import itertools
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib.metadata import entry_points, version
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, SpecdecError
+from .messages import Fingerprint, Heartbeat, Shutdown
+
+log = logging.getLogger(__name__)
+
+#: set in a worker started by rank 0: the file holding the configuration it runs
+CONFIG_ENV = "SPECDEC_TP_CONFIG"
+
+#: numbers the groups of one torchrun program, so that several (one per LLM) share its store
+_GROUPS = itertools.count()
+
+
+class WorkerError(SpecdecError):
+    """A tensor-parallel worker died or stopped answering; the engine cannot go on."""
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a ``torchrun`` (or similar) launch, not a worker
+    rank 0 started."""
+    launch = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return CONFIG_ENV not in os.environ and all(name in os.environ for name in launch)
+
+
+def threads_per_rank(config) -> int:
+    """Torch threads of each rank: ``engine.num_threads``, else the machine's cores shared out."""
+    return config.engine.num_threads or max(1, (os.cpu_count() or 1) // config.engine.tensor_parallel_size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In a started worker: the kernel kills it when rank 0 exits, however rank 0 exits."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _plugins() -> tuple[str, ...]:
+    return tuple(sorted(f"{ep.name}={ep.value}" for ep in entry_points(group="specdec.plugins")))
+
+
+class TensorParallelGroup:
+    """This process's place in the group. Rank 0 calls :meth:`send`; workers :meth:`receive`."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, timeout_s: float,
+                 workers: list[subprocess.Popen] | None = None):
+        self.rank = rank
+        self.size = size
+        self.device = device
+        self.timeout_s = timeout_s
+        self.workers = workers or []
+        self.failure: WorkerError | None = None
+        self.peers: list[tuple[str, int]] = []  # (host, pid) of each rank
+        self._lock = threading.Lock()
+        self._last_send = time.monotonic()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._closed = False
+        self.forward_group = None
+        self.plan_group = None
+        #: seconds this rank spent sending operations (rank 0) and in the forward's
+        #: all-reduces: what tensor parallelism adds to a step (scripts/bench_tensor_parallel.py)
+        self.send_seconds = 0.0
+        self.collective_seconds = 0.0
+
+    # -- starting ----------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, config, device: torch.device) -> TensorParallelGroup:
+        """Join (rank > 0 under torchrun) or start (rank 0) the group of ``config``'s size."""
+        from ..config_loading import unstructure
+
+        size = config.engine.tensor_parallel_size
+        timeout = config.engine.distributed_timeout_s
+        workers, config_file = [], None
+        if launched_by_torchrun():
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            if world != size:
+                raise ConfigError(f"engine.tensor_parallel_size: {size}, but torchrun started {world} processes; "
+                                  f"launch as many processes as the size (--nnodes x --nproc-per-node = {size})")
+            address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        elif os.environ.get(CONFIG_ENV):
+            rank, address, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            local_rank = rank
+        else:
+            rank, local_rank, address, port = 0, 0, "127.0.0.1", _free_port()
+            workers, config_file = cls._launch_workers(unstructure(config), size, port)
+        if device.type == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        group = cls(rank, size, device, timeout, workers)
+        try:
+            with group.guard("starting the group"):
+                group._init(address, port, config)
+        except BaseException:
+            group.close()
+            raise
+        finally:
+            if config_file is not None:  # the workers read it before they join
+                os.unlink(config_file)
+        return group
+
+    @staticmethod
+    def _launch_workers(config: dict, size: int, port: int) -> tuple[list[subprocess.Popen], str]:
+        """Ranks ``1 .. size-1`` on this machine, and the file their configuration is in."""
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="specdec-tp-", delete=False) as f:
+            json.dump(config, f)
+        workers = []
+        for rank in range(1, size):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), **{CONFIG_ENV: f.name})
+            for name in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
+                env.pop(name, None)
+            workers.append(subprocess.Popen([sys.executable, "-m", "specdec.parallel"], env=env,
+                                            preexec_fn=_die_with_parent))
+        return workers, f.name
+
+    def _init(self, address: str, port: int, config) -> None:
+        from ..config_loading import unstructure
+
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        # torchrun's agent keeps the store the ranks meet at; otherwise rank 0 holds it
+        master = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        self._store = dist.TCPStore(address, port, self.size, is_master=master, timeout=timeout)
+        prefix = f"specdec-tp-{next(_GROUPS)}" if launched_by_torchrun() else "specdec-tp"
+        self.plan_group = _gloo(dist.PrefixStore(f"{prefix}/plan", self._store), self.rank, self.size, timeout)
+        backend = _nccl if self.device.type == "cuda" else _gloo
+        self.forward_group = backend(dist.PrefixStore(f"{prefix}/forward", self._store), self.rank, self.size, timeout)
+        if self.rank == 0:
+            atexit.register(self.close)
+        mine = Fingerprint(config=unstructure(config), plugins=_plugins(), specdec_version=version("specdec"))
+        prints = self._gather((mine, socket.gethostname(), os.getpid()))
+        self.peers = [(host, pid) for _, host, pid in prints]
+        verdict = self._broadcast(_mismatch(prints[0][0], [p[0] for p in prints]) if self.rank == 0 else None)
+        if verdict:
+            raise ConfigError(verdict)
+        if self.rank == 0:
+            self._heartbeat = threading.Thread(target=self._beat, name="specdec-tp-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def _broadcast(self, message):
+        """Rank 0's ``message`` on every rank (pickled; its length first)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        if self.rank == 0:
+            data = pickle.dumps(message)
+            length = torch.tensor([len(data)])
+        else:
+            length = torch.zeros(1, dtype=torch.long)
+        self.plan_group.broadcast([length], options).wait()
+        payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0
+                   else torch.empty(int(length), dtype=torch.uint8))
+        self.plan_group.broadcast([payload], options).wait()
+        return message if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+
+    def _gather(self, mine) -> list:
+        """Every rank's ``mine``, in rank order, on every rank."""
+        data = pickle.dumps(mine)
+        lengths = [torch.zeros(1, dtype=torch.long) for _ in range(self.size)]
+        self.plan_group.allgather([lengths], [torch.tensor([len(data)])]).wait()
+        longest = int(max(lengths))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buffers = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        self.plan_group.allgather([buffers], [padded]).wait()
+        return [pickle.loads(b[:int(n)].numpy().tobytes()) for b, n in zip(buffers, lengths)]
+
+    # -- rank 0 ------------------------------------------------------------------------
+
+    def send(self, message) -> None:
+        """Send one operation to every worker (rank 0); a :class:`WorkerError` if one is gone."""
+        self.check()
+        started = time.perf_counter()
+        with self._lock, self.guard("sending an operation"):
+            self._broadcast(message)
+            self._last_send = time.monotonic()
+        self.send_seconds += time.perf_counter() - started
+
+    def check(self) -> None:
+        """Raise the group's failure, if it failed."""
+        if self.failure is not None:
+            raise self.failure
+
+    @contextlib.contextmanager
+    def guard(self, what: str):
+        """Around a collective call (nothing else: gloo reports a lost peer as a bare
+        RuntimeError): its error becomes the group's :class:`WorkerError`."""
+        self.check()
+        try:
+            yield
+        except RuntimeError as exc:
+            raise self._fail(what, exc) from exc
+
+    def _fail(self, what: str, exc: BaseException) -> WorkerError:
+        if self.failure is None:
+            dead = self._dead_ranks()
+            if dead:
+                who = ", ".join(f"rank {r} ({reason})" for r, reason in dead)
+                text = f"tensor-parallel worker {who} is gone while {what}"
+            else:
+                text = (f"a tensor-parallel worker (ranks 1..{self.size - 1}) did not answer within "
+                        f"engine.distributed_timeout_s = {self.timeout_s:g} s while {what}")
+            self.failure = WorkerError(f"{text}; the engine cannot continue: restart it "
+                                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+            log.error("%s", self.failure)
+        return self.failure
+
+    def _dead_ranks(self) -> list[tuple[int, str]]:
+        deadline = time.monotonic() + 1.0
+        while True:
+            dead = []
+            for rank, proc in enumerate(self.workers, start=1):
+                code = proc.poll()
+                if code is not None:
+                    dead.append((rank, f"exited with {code}" if code >= 0 else f"killed by signal {-code}"))
+            if not self.workers:
+                host = socket.gethostname()
+                for rank, (peer_host, pid) in enumerate(self.peers[1:], start=1):
+                    if peer_host == host and not _alive(pid):
+                        dead.append((rank, "its process is gone"))
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
+
+    def _beat(self) -> None:
+        interval = max(0.2, self.timeout_s / 4)
+        while not self._stop.wait(interval / 2):
+            if time.monotonic() - self._last_send < interval or self._lock.locked():
+                continue
+            try:
+                self.send(Heartbeat())
+            except WorkerError:
+                return
+
+    def close(self) -> None:
+        """Stop the workers (rank 0) and leave the process groups; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        if self.rank == 0 and self.failure is None and self.plan_group is not None:
+            try:
+                with self._lock:
+                    self._broadcast(Shutdown())
+            except Exception:  # noqa: BLE001 - the workers are killed below regardless
+                pass
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=10 if self.failure is None else 0.5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for group in (self.forward_group, self.plan_group):
+            if group is not None:
+                (group.abort if self.failure is not None else group.shutdown)()
+        self.forward_group = self.plan_group = self._store = None
+        atexit.unregister(self.close)
+
+    # -- workers -----------------------------------------------------------------------
+
+    def receive(self):
+        """The next operation from rank 0 (a worker); raises when rank 0 is gone."""
+        return self._broadcast(None)
+
+
+def _gloo(store, rank: int, size: int, timeout: datetime.timedelta):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _nccl(store, rank: int, size: int, timeout: datetime.timedelta):
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _mismatch(reference: Fingerprint, prints: list[Fingerprint]) -> str | None:
+    """A message naming the first rank whose fingerprint differs from rank 0's, or None."""
+    for rank, other in enumerate(prints):
+        if other == reference:
+            continue
+        if other.specdec_version != reference.specdec_version:
+            what = f"specdec {other.specdec_version} against {reference.specdec_version}"
+        elif other.plugins != reference.plugins:
+            what = (f"installed plugins {sorted(set(other.plugins) ^ set(reference.plugins))} differ")
+        else:
+            what = "configuration " + ", ".join(_differences(reference.config, other.config))
+        return (f"engine.tensor_parallel_size: rank {rank} does not run what rank 0 runs ({what}); start every "
+                "rank with the same model, options and plugins")
+    return None
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, f"{prefix}{key}.")
+        elif x != y:
+            out.append(f"{prefix}{key}: {y!r} on that rank, {x!r} on rank 0")
+    return out
