@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import socket
+from pathlib import Path
+
 import torch
 
 from specdec import Drafter, DraftProposal, hookimpl
@@ -71,3 +75,37 @@ def random_layout(gen, block_size: int, num_blocks: int, shapes: list, device: s
             mask, positions = None, torch.arange(start, start + n)
         seqs.append(SequenceSlice(block_table=table, start=start, positions=positions, tree_mask=mask))
     return AttentionLayout(seqs, block_size, torch.device(device))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_processes(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def tiny_chat_model(directory) -> Path:
+    """A tiny random Llama (4 heads, 2 KV heads) with the embedded model's tokenizer and chat
+    template: text in and out at a tiny model's cost."""
+    from specdec.models import resolve_model_dir
+    from specdec.testing import tiny_model_dir
+
+    path = tiny_model_dir(directory, "llama", vocab_size=49152)
+    source = resolve_model_dir(None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+    return path

@@ -1,0 +1,34 @@
+"""The embedded model at three ranks (9 query heads and 3 KV heads: three and one a rank),
+float32: plain decoding with logprobs and stop strings as at one rank, and every method with
+a drafter shipped for it as plain decoding, drafts accepted."""
+
+from __future__ import annotations
+
+from specdec import LLM, SamplingParams
+
+ONE_THREAD = {"num_threads": 1}
+
+
+def test_the_embedded_model_at_three_ranks_with_every_method():
+    """The embedded model has 9 query and 3 KV heads: three ranks of three and one. Plain
+    decoding with logprobs and a stop string as at one rank; every method as plain, drafting."""
+    chat = [{"role": "user", "content": "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."}]
+    params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2)
+    stop = SamplingParams(max_tokens=32, temperature=0.0, stop=[" fox"])
+    one = LLM(dtype="float32", engine={"num_threads": 2})
+    reference, stopped = one.chat(chat, params)[0], one.chat(chat, stop)[0]
+    with LLM(dtype="float32", tensor_parallel_size=3, engine=ONE_THREAD) as llm:
+        out = llm.chat(chat, params)[0]
+        assert out.token_ids == reference.token_ids
+        for mine, theirs in zip(out.logprobs, reference.logprobs):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t] - theirs[t]) < 1e-3 for t in mine)
+        cut = llm.chat(chat, stop)[0]
+        assert (cut.text, cut.finish_reason) == (stopped.text, stopped.finish_reason) and cut.text
+    for method in ("ngram", "draft_target", "eagle3", "mtp", "medusa"):
+        with LLM(dtype="float32", tensor_parallel_size=3, engine=ONE_THREAD,
+                 speculative_config={"decoding_type": method, "adaptive": False}) as llm:
+            out = llm.chat(chat, params)[0]
+        assert out.token_ids == reference.token_ids, method
+        assert out.metrics.num_accepted_tokens > 0, f"{method}: no draft accepted"
+        assert out.metrics.num_steps < len(out.token_ids), method
