@@ -29,6 +29,12 @@ def repeating_prompts() -> list[list[int]]:
     return [torch.randint(0, 100, (n,), generator=g).tolist() * 2 for n in (5, 9, 14)]
 
 
+def ngram_at_two_ranks(model: str, dtype: str, engine: dict, prompts: list) -> list:
+    with LLM(model, dtype=dtype, tensor_parallel_size=2, engine=engine,
+             speculative_config={"decoding_type": "ngram", "max_draft_len": 4, "adaptive": False}) as llm:
+        return llm.generate(prompts, GREEDY)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tiny_models_at_two_ranks_decode_as_one_rank(tmp_path, arch):
     model = str(tiny_model_dir(tmp_path, arch))
@@ -37,9 +43,7 @@ def test_tiny_models_at_two_ranks_decode_as_one_rank(tmp_path, arch):
     with LLM(model, dtype="float32", tensor_parallel_size=2, engine=ONE_THREAD) as plain:
         assert len(plain.group.workers) == 1 and plain.target.tensor_parallel_size == 2
         assert [o.token_ids for o in plain.generate(prompts, GREEDY)] == one
-    with LLM(model, dtype="float32", tensor_parallel_size=2, engine=ONE_THREAD,
-             speculative_config={"decoding_type": "ngram", "max_draft_len": 4, "adaptive": False}) as ngram:
-        outs = ngram.generate(prompts, GREEDY)
+    outs = ngram_at_two_ranks(model, "float32", ONE_THREAD, prompts)
     assert [o.token_ids for o in outs] == one
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
@@ -54,9 +58,7 @@ def test_bfloat16_speculation_at_two_ranks_equals_plain_bit_for_bit_in_the_batch
     with LLM(model, dtype="bfloat16", tensor_parallel_size=2, engine=engine) as plain:
         assert plain.engine.batch_invariant
         expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
-    with LLM(model, dtype="bfloat16", tensor_parallel_size=2, engine=engine,
-             speculative_config={"decoding_type": "ngram", "max_draft_len": 4, "adaptive": False}) as ngram:
-        outs = ngram.generate(prompts, GREEDY)
+    outs = ngram_at_two_ranks(model, "bfloat16", engine, prompts)
     assert [o.token_ids for o in outs] == expected
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
