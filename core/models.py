@@ -8,6 +8,7 @@ user cache directory so later loads take seconds.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -52,8 +53,16 @@ def cache_dir() -> Path:
 
 
 def _converted_dir(gguf: Path) -> Path:
-    stat = gguf.stat()
-    return cache_dir() / "converted" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    """Where ``gguf``'s conversion is cached: named by the file's size and a digest of its
+    first and last MiB, so that reinstalling the same file (a new modification time) finds
+    its conversion and another file of that name does not."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        digest.update(f.read(2**20))
+        f.seek(max(0, size - 2**20))
+        digest.update(f.read(2**20))
+    return cache_dir() / "converted" / f"{gguf.stem}-{size}-{digest.hexdigest()[:16]}"
 
 
 def convert_gguf(gguf: Path) -> Path:
@@ -77,7 +86,16 @@ def convert_gguf(gguf: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         tmp.rename(out)
+    _remove_stale_conversions(gguf, out)
     return out
+
+
+def _remove_stale_conversions(gguf: Path, kept: Path) -> None:
+    """Remove the cached conversions of a file of ``gguf``'s name and size other than
+    ``kept``: those of earlier specdec versions, keyed by modification time, one per reinstall."""
+    for stale in kept.parent.glob(f"{gguf.stem}-{gguf.stat().st_size}-*"):
+        if stale != kept and ".tmp" not in stale.name:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def gguf_file(model: str | None) -> Path | None:

@@ -139,3 +139,26 @@ def test_hidden_states_reach_the_drafter_without_recomputation(tiny_models):
     torch.testing.assert_close(prefill.hidden_states[-1].cpu(), want, atol=1e-4, rtol=1e-4)
     decode = seen[1]
     assert not decode.is_prefill and decode.hidden_states[0].shape == (1, 64)
+
+
+def test_a_gguf_conversion_is_found_again_after_a_reinstall_and_stale_ones_go(tmp_path, monkeypatch):
+    """The cache key is the file's size and the digest of its ends, not its modification
+    time: reinstalling the embedded model's package must not convert (and store) it again."""
+    import os
+
+    from specdec import models
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(os.urandom(3 * 2**20))
+    first = models._converted_dir(gguf)
+    os.utime(gguf, (1e9, 1e9))
+    assert models._converted_dir(gguf) == first
+    stale = first.parent / f"m-{3 * 2**20}-1795777160"  # an earlier version's key
+    for d in (first, stale):
+        d.mkdir(parents=True, exist_ok=True)
+    models._remove_stale_conversions(gguf, first)
+    assert first.exists() and not stale.exists()
+    with gguf.open("r+b") as f:
+        f.write(b"\x00" * 16)
+    assert models._converted_dir(gguf) != first
