@@ -1,7 +1,7 @@
 """The tensor-parallel group: processes, process groups, the wire from rank 0, faults.
 
 Rank 0 owns everything but a shard of the target: the API, scheduling, drafting, acceptance.
-On one machine it starts ranks ``1 .. N-1`` itself (``python -m specdec.parallel.worker``,
+On one machine it starts ranks ``1 .. N-1`` itself (``python -m specdec.parallel``,
 killed with it); under ``torchrun`` every rank runs the user's program and ranks other than 0
 turn into workers inside ``LLM()``. Two process groups: the target's own collectives (NCCL on
 GPUs, gloo on CPUs) and a gloo group on which rank 0 sends its operations

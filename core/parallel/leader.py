@@ -13,7 +13,7 @@ import torch
 from ..kvcache import PagedKVCache
 from ..target_model import ForwardMetadata, TargetModel
 from .group import TensorParallelGroup
-from .messages import BuildCache, BuildTarget, CopySlots, Forward, SetLinearForwards
+from .messages import BuildCache, BuildTarget, CopySlots, Forward, SetLinearForwards, sequence_on
 
 
 class ShardedTarget(TargetModel):
@@ -43,7 +43,7 @@ class ShardedTarget(TargetModel):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                 logits_rows: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         cpu = torch.device("cpu")
-        self.group.send(Forward(input_ids.to(cpu), positions.to(cpu), [_on(s, cpu) for s in meta.layout.seqs],
+        self.group.send(Forward(input_ids.to(cpu), positions.to(cpu), [sequence_on(s, cpu) for s in meta.layout.seqs],
                                 meta.batch_invariant))
         return super().forward(input_ids, positions, meta, logits_rows)
 
@@ -62,11 +62,3 @@ class MirroredKVCache(PagedKVCache):
         self.group.send(CopySlots(src.cpu(), dst.cpu()))
         super().copy_slots(src, dst)
 
-
-def _on(seq, device: torch.device):
-    """A :class:`~specdec.kernels.SequenceSlice` with its tensors on ``device``."""
-    import attrs
-
-    return attrs.evolve(seq, **{name: value.to(device) for name in ("positions", "tree_mask", "pending_mask",
-                                                                     "pending_positions")
-                                if (value := getattr(seq, name)) is not None})

@@ -47,6 +47,13 @@ class Forward:
     batch_invariant: bool
 
 
+def sequence_on(seq: SequenceSlice, device: torch.device) -> SequenceSlice:
+    """``seq`` with its tensors on ``device`` (the CPU to travel, each rank's device after)."""
+    return attrs.evolve(seq, **{name: value.to(device) for name in ("positions", "tree_mask", "pending_mask",
+                                                                     "pending_positions")
+                                if (value := getattr(seq, name)) is not None})
+
+
 @attrs.frozen
 class CopySlots:
     """Copy K/V rows ``src[i] -> dst[i]`` in every layer (an accepted tree path compacted)."""

@@ -15,11 +15,10 @@ import torch
 
 from ..kernels import AttentionLayout
 from ..kvcache import PagedKVCache
-from ..models import DTYPES, load_weights, model_display_name
+from ..models import load_weights, model_display_name, resolve_device, resolve_dtype
 from ..target_model import ForwardMetadata, TargetModel
 from .group import CONFIG_ENV, TensorParallelGroup, threads_per_rank
-from .leader import _on
-from .messages import BuildCache, BuildTarget, CopySlots, Forward, Heartbeat, SetLinearForwards, Shutdown
+from .messages import BuildCache, BuildTarget, CopySlots, Forward, Heartbeat, SetLinearForwards, Shutdown, sequence_on
 from .sharding import shard_model
 
 log = logging.getLogger(__name__)
@@ -37,7 +36,7 @@ def serve(group: TensorParallelGroup, model: torch.nn.Module, name: str) -> None
         if isinstance(message, Heartbeat):
             continue
         if isinstance(message, Forward):
-            layout = AttentionLayout([_on(s, device) for s in message.sequences], block_size, device)
+            layout = AttentionLayout([sequence_on(s, device) for s in message.sequences], block_size, device)
             target.forward(message.input_ids.to(device), message.positions.to(device),
                            ForwardMetadata(cache=cache, layout=layout, batch_invariant=message.batch_invariant),
                            nothing)
@@ -71,12 +70,11 @@ def main() -> int:
     with open(os.environ[CONFIG_ENV]) as f:
         config = config_from_dict(json.load(f))
     torch.set_num_threads(threads_per_rank(config))
-    device = torch.device(config.device if config.device != "auto" else
-                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(config.device)
     group = None
     try:
         group = TensorParallelGroup.start(config, device)
-        run(config, group, DTYPES[config.dtype] if config.dtype != "auto" else torch.bfloat16)
+        run(config, group, resolve_dtype(config.dtype))
     except Exception as exc:  # noqa: BLE001 - rank 0 reports the rank gone; the reason is here
         log.error("rank %s stops: %s: %s", os.environ.get("RANK"), type(exc).__name__, exc)
         return 1
