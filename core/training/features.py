@@ -12,8 +12,9 @@ sees) and writes each requested layer as one flat file of rows, sample after sam
 It is built in chunks and records how many samples are done after each, so an
 interrupted build resumes where it stopped, and samples appended to the data add their
 rows after the old ones; a store built for other layers, another target or other samples
-is rebuilt. A store holding more layers than asked for serves the
-ones asked for (two methods may share one store).
+is rebuilt. A store holding more layers or more samples than asked for serves the ones
+asked for: two methods may share one store, and runs on the first N samples
+(``--max-samples``) share the store of all of them.
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ class FeatureStore:
         if path.exists():
             old = json.loads(path.read_text())
             same = ("layers", "done", "lengths")
-            # samples appended to a run's data (its answers are cached in that order too) keep the rows of the old ones
+            # samples appended to a run's data (its answers are cached in that order too) keep the rows of the old
+            # ones, and a run on the first N samples of a larger store's (--max-samples) reads its rows as they are
+            shared = min(len(old["lengths"]), len(lengths))
             if ({k: v for k, v in old.items() if k not in same} == {k: v for k, v in index.items() if k not in same}
-                    and old["lengths"] == lengths[:len(old["lengths"])] and set(layers) <= set(old["layers"])):
+                    and old["lengths"][:shared] == lengths[:shared] and set(layers) <= set(old["layers"])):
                 index["done"], index["layers"] = min(old["done"], len(lengths)), old["layers"]
             else:
                 log.info("%s: features of other layers, target or samples; computing them again", directory)
