@@ -16,13 +16,15 @@ first N diverse samples for each N of ``--points`` (runs share the answers and t
 features of the largest), the templated pool, the diverse pool cut at the templated pool's
 answer tokens (diversity at equal tokens), and, for EAGLE-3, the reference recipe's
 settings (SpecForge: 7 training-time-test steps, lr 1e-4, a 32,000-token draft vocabulary)
-and ours with only the steps changed, on the same samples as ``--reference-point``.
+and ours with only the steps changed, on the same samples as ``--reference-point``; with
+``--repeat N E``, the first N diverse samples for E epochs (repeats against new data at
+equal steps).
 
 Each drafter is measured at its default depth with the adaptive planner off, bfloat16,
 greedy, on three held-out sets no run trained on: ``benchmarks/diverse.jsonl``, prompts of
 the public sets kept out of the pool (``--public-held-out``), and the last 16 templated
-prompts. ``RUN/curve.json`` and ``RUN/curve.md`` hold the table; a run already trained in
-RUN is measured again, not trained again.
+prompts. ``RUN/curve.json`` and ``RUN/curve.md`` hold the table; a run trained or measured
+in RUN by an earlier invocation is not trained or measured again.
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ def main() -> None:
                         help="samples of the reference-recipe runs (0: none; EAGLE-3 only)")
     parser.add_argument("--public-held-out", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--repeat", nargs=2, type=int, metavar=("SAMPLES", "EPOCHS"),
+                        help="also the first SAMPLES diverse samples for EPOCHS epochs (new data against repeats)")
     parser.add_argument("--eval-tokens", type=int, default=96)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=5)
@@ -159,40 +163,50 @@ def main() -> None:
     pools = write_pools(run, args.public, args.public_held_out, args.seed)
     options, lr = OURS[args.method]
     largest = run / f"diverse-{max(args.points)}"
-    plan = [(largest.name, pools["diverse"], max(args.points), options, lr, None)]
+    epochs = args.epochs
+    plan = [(largest.name, pools["diverse"], max(args.points), options, lr, epochs, None)]
     if args.templated:
-        plan.append((f"templated-{args.templated}", pools["templated"], args.templated, options, lr, None))
-    plan += [(f"diverse-{n}", pools["diverse"], n, options, lr, largest) for n in sorted(set(args.points))[:-1]]
+        plan.append((f"templated-{args.templated}", pools["templated"], args.templated, options, lr, epochs, None))
+    plan += [(f"diverse-{n}", pools["diverse"], n, options, lr, epochs, largest)
+             for n in sorted(set(args.points))[:-1]]
     if args.reference_point and args.method == "eagle3":
         n = args.reference_point
-        plan += [(f"reference-{n}", pools["diverse"], n, *REFERENCE, largest),
-                 (f"ours-ttt7-{n}", pools["diverse"], n, {**options, "ttt_steps": 7}, lr, largest)]
+        plan += [(f"reference-{n}", pools["diverse"], n, *REFERENCE, epochs, largest),
+                 (f"ours-ttt7-{n}", pools["diverse"], n, {**options, "ttt_steps": 7}, lr, epochs, largest)]
+    if args.repeat:
+        n, times = args.repeat
+        plan.append((f"diverse-{n}-x{times}", pools["diverse"], n, options, lr, times, largest))
 
     from specdec import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.eval_tokens, temperature=0.0)
     sets = held_out_sets(pools, args.public_held_out)
-    plain_llm = LLM(dtype="bfloat16", device=args.device)
-    plain = {name: [o.token_ids for o in plain_llm.chat(prompts, params)] for name, prompts in sets.items()}
-    del plain_llm
+    plain: dict[str, list] = {}
+    done = json.loads((run / "curve.json").read_text())["runs"] if (run / "curve.json").exists() else []
     rows, started = [], time.perf_counter()
 
     def record(name: str, trained: dict, drafter: Path | None) -> None:
+        rows.extend(r for r in done if r["run"] == name)  # measured by an earlier invocation
+        if rows and rows[-1]["run"] == name:
+            return
+        if not plain:
+            plain_llm = LLM(dtype="bfloat16", device=args.device)
+            plain.update({s: [o.token_ids for o in plain_llm.chat(prompts, params)] for s, prompts in sets.items()})
         spec = {"decoding_type": args.method, "adaptive": False}
         if drafter is not None:
             spec["speculative_model"] = str(drafter)
         llm = LLM(dtype="bfloat16", device=args.device, speculative_config=spec)
-        rows.append({"run": name, **{k: trained.get(k) for k in ("samples", "answer_tokens", "steps", "lr",
-                                                                 "train_seconds_this_run", "final_loss",
+        rows.append({"run": name, **{k: trained.get(k) for k in ("samples", "answer_tokens", "epochs_done", "steps",
+                                                                 "lr", "train_seconds_this_run", "final_loss",
                                                                  "trainer_options")},
                      "held_out": {s: measure(llm, sets[s], params, plain[s]) for s in sets}})
-        (run / "curve.json").write_text(json.dumps({"method": args.method, "epochs": args.epochs, "runs": rows,
+        (run / "curve.json").write_text(json.dumps({"method": args.method, "runs": rows,
                                                     "seconds": round(time.perf_counter() - started)}, indent=2))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
     record("shipped", {}, None)
-    for i, (name, data, n, opts, rate, share) in enumerate(plan):
-        trained = train_point(args.method, run / name, data, n, opts, rate, args.epochs, args.device, share)
+    for i, (name, data, n, opts, rate, times, share) in enumerate(plan):
+        trained = train_point(args.method, run / name, data, n, opts, rate, times, args.device, share)
         record(name, trained, run / name)
         if i == 1 and args.templated:  # diversity at equal tokens: the diverse prefix as long as the templated run
             goal, total, cut = sum(answer_tokens(run / name)), 0, 0
@@ -201,18 +215,19 @@ def main() -> None:
                 if total >= goal:
                     break
             if all(step[0] != f"diverse-{cut}" for step in plan):
-                plan.insert(2, (f"diverse-{cut}", pools["diverse"], cut, options, lr, largest))
-    lines = [f"# {args.method}: held-out acceptance length against training data ({args.epochs} epoch(s), "
-             f"depth default, planner off, bfloat16, {args.eval_tokens} tokens)", "",
-             "| run | samples | answer tokens | steps | lr | options | diverse.jsonl | public held out | templated "
-             "held out | same text |", "|---|---|---|---|---|---|---|---|---|---|"]
+                plan.insert(2, (f"diverse-{cut}", pools["diverse"], cut, options, lr, epochs, largest))
+    lines = [f"# {args.method}: held-out acceptance length against training data (default depth, planner off, "
+             f"bfloat16, greedy, {args.eval_tokens} tokens)", "",
+             "| run | samples | answer tokens | epochs | steps | lr | ttt steps | draft vocabulary | diverse.jsonl | "
+             "public held out | templated held out | same text |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        h = r["held_out"]
+        h, o = r["held_out"], r.get("trainer_options") or {}
         same = sum(v["same_as_plain"] for v in h.values())
         total = sum(v["prompts"] for v in h.values())
-        lines.append(f"| {r['run']} | {r['samples'] or ''} | {r['answer_tokens'] or ''} | {r['steps'] or ''} | "
-                     f"{r['lr'] or ''} | {r['trainer_options'] or ''} | {h['diverse.jsonl']['acceptance_length']} | "
-                     f"{h['public']['acceptance_length']} | {h['templated']['acceptance_length']} | {same}/{total} |")
+        cells = [r["run"]] + [r.get(k) or "" for k in ("samples", "answer_tokens", "epochs_done", "steps", "lr")]
+        cells += [o.get("ttt_steps", ""), o.get("draft_vocab_size", "")]
+        cells += [h[k]["acceptance_length"] for k in ("diverse.jsonl", "public", "templated")] + [f"{same}/{total}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     (run / "curve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
