@@ -47,33 +47,6 @@ OURS = {"eagle3": ({"draft_vocab_size": 4096}, 1e-3), "eagle": ({}, 1e-3), "medu
                                                                      1e-3)}
 
 
-def public_prompts(paths: list[str], max_chars: int) -> list[str]:
-    """The requests of public sets (a JSON list or JSONL of records ``specdec train`` reads:
-    Alpaca's, ShareGPT's, ``prompt``), without repeats, unreadable lines or requests longer
-    than ``max_chars``."""
-    from specdec.training.data import item_from_record
-
-    seen, prompts = set(), []
-    for path in paths:
-        text = Path(path).read_text()
-        try:
-            records = json.loads(text)
-        except ValueError:
-            records = []
-            for line in text.splitlines():
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    continue
-        for record in records if isinstance(records, list) else []:
-            item = item_from_record(record) or {}
-            prompt = item.get("prompt", "").strip() if isinstance(item.get("prompt"), str) else ""
-            if prompt and len(prompt) <= max_chars and prompt not in seen:
-                seen.add(prompt)
-                prompts.append(prompt)
-    return prompts
-
-
 def write_pools(run: Path, public: list[str], held_out_public: int, seed: int) -> dict[str, Path]:
     """``diverse.jsonl``, ``templated.jsonl`` and the public held-out prompts in RUN (kept
     when present, so a resumed run trains on what it began with)."""
@@ -81,6 +54,8 @@ def write_pools(run: Path, public: list[str], held_out_public: int, seed: int) -
     if all(p.exists() for p in pools.values()):
         return pools
     rng = random.Random(seed)
+    from specdec.training.data import public_prompts
+
     outside = public_prompts(public, max_chars=1500)
     rng.shuffle(outside)
     held, outside = outside[:held_out_public], outside[held_out_public:]

@@ -83,7 +83,7 @@ def write_prompts(run: Path, scale: dict, seed: int, public: list[str]) -> Path:
         lines += rows[:-16] if name == "training/prompts.jsonl" else rows
     lines += [line for line in written.read_text().splitlines() if line.strip()]
     if public:
-        from data_curve import public_prompts
+        from specdec.training.data import public_prompts
 
         lines += [json.dumps({"prompt": p}) for p in public_prompts(public, max_chars=1500)]
         random.Random(seed).shuffle(lines)

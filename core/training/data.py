@@ -75,41 +75,64 @@ def item_from_record(record) -> dict | None:
     return None
 
 
-def read_items(path: str | Path) -> list[dict]:
-    """The file's items, checked: a JSONL file (or a ``.json`` list) of records
-    :func:`item_from_record` reads."""
-    path = Path(path)
-    if not path.is_file():
-        raise TrainingDataError(f"{path}: no such file; give a JSONL file of {{\"prompt\": ...}} lines")
-    expected = ('expected {"prompt": ...}, {"messages": [...]}, {"text": ...}, Alpaca\'s {"instruction": ...} '
-                'or ShareGPT\'s {"conversations": [...]}')
+EXPECTED = ('expected {"prompt": ...}, {"messages": [...]}, {"text": ...}, Alpaca\'s {"instruction": ...} or '
+            'ShareGPT\'s {"conversations": [...]}')
+
+
+def _records(path: Path, skip_unreadable: bool) -> list[tuple[str, object]]:
+    """(where, record) of a ``.json`` list or a JSONL file; an unreadable line is skipped
+    with ``skip_unreadable``, refused otherwise."""
     if path.suffix == ".json":
         try:
             records = json.loads(path.read_text())
         except ValueError as exc:
             raise TrainingDataError(f"{path}: not JSON ({exc})") from None
         if not isinstance(records, list):
-            raise TrainingDataError(f"{path}: a .json file must hold a list of records; {expected}")
-        numbered = [(f"{path} record {n}", record) for n, record in enumerate(records, 1)]
-    else:
-        numbered = []
-        with path.open() as fh:
-            for number, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    numbered.append((f"{path}:{number}", json.loads(line)))
-                except ValueError as exc:
+            raise TrainingDataError(f"{path}: a .json file must hold a list of records; {EXPECTED}")
+        return [(f"{path} record {n}", record) for n, record in enumerate(records, 1)]
+    numbered = []
+    with path.open() as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((f"{path}:{number}", json.loads(line)))
+            except ValueError as exc:
+                if not skip_unreadable:
                     raise TrainingDataError(f"{path}:{number}: not JSON ({exc})") from None
+    return numbered
+
+
+def read_items(path: str | Path) -> list[dict]:
+    """The file's items, checked: a JSONL file (or a ``.json`` list) of records
+    :func:`item_from_record` reads."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrainingDataError(f"{path}: no such file; give a JSONL file of {{\"prompt\": ...}} lines")
     items = []
-    for where, record in numbered:
+    for where, record in _records(path, skip_unreadable=False):
         item = item_from_record(record)
         if item is None:
-            raise TrainingDataError(f"{where}: {expected}")
+            raise TrainingDataError(f"{where}: {EXPECTED}")
         items.append(item)
     if not items:
         raise TrainingDataError(f"{path}: the file has no training items")
     return items
+
+
+def public_prompts(paths: list[str | Path], max_chars: int) -> list[str]:
+    """The requests of public training sets, for a pool of prompts: each file's records
+    :func:`item_from_record` reads as a prompt, in order, without repeats, requests longer
+    than ``max_chars``, or the lines and records such collections carry broken."""
+    seen, prompts = set(), []
+    for path in paths:
+        for _, record in _records(Path(path), skip_unreadable=True):
+            prompt = (item_from_record(record) or {}).get("prompt")
+            prompt = prompt.strip() if isinstance(prompt, str) else ""
+            if prompt and len(prompt) <= max_chars and prompt not in seen:
+                seen.add(prompt)
+                prompts.append(prompt)
+    return prompts
 
 
 def split_eval(items: list[dict], num_eval: int) -> tuple[list[dict], list[dict]]:
