@@ -231,8 +231,9 @@ class EngineConfig:
             only, not on the drafts or requests sharing the forward: greedy output is then
             bit-identical between plain and speculative decoding, alone and batched, in
             bfloat16 too (:mod:`specdec.kernels.invariant`). ``auto`` (the default) turns it
-            on where it costs nothing: a bfloat16 CPU target, neither compiled nor quantized,
-            whose layers specdec's CPU kernels take
+            on where it costs nothing: a bfloat16 CPU target, unquantized or on the
+            integer-dot kernels, not compiled unless its compiled forward is invariant (see
+            ``compile``), whose layers specdec's CPU kernels take
             (:func:`specdec.kernels.invariant.mode_costs_nothing`). ``true`` or ``false``
             decides it.
         quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels,
@@ -252,10 +253,16 @@ class EngineConfig:
             (:func:`specdec.kernels.cpu.kernel_linear`). No effect on other dtypes and devices.
         compile: run the target's forward through ``torch.compile`` (inductor; on the CPU
             with frozen weights, so ``prepack_weights`` does not apply): the work between
-            the matrix products is fused. Three graphs are compiled when the engine starts
-            (minutes on a small CPU), then each step costs less and memory grows
-            (Performance: "Compiled target forward"). Not with ``batch_invariant: true``
-            (``auto`` is then off). Off by default.
+            the matrix products is fused, and a step costs about half its eager time on a
+            small model (Performance: "Compiled target forward"). Its graphs compile when
+            the engine starts (under a minute for the embedded model, seconds once torch's
+            on-disk caches hold them). ``auto`` (the default): on where the compiled
+            forward is batch-invariant, a bfloat16 CPU target whose every product runs the
+            integer-dot kernels (``w4a8``, ``w8a8``: the embedded model by default), whose
+            one graph calls the invariant attention kernel
+            (:func:`specdec.executor.engine.compiles_invariant`); off elsewhere, where a
+            compiled forward fuses operations by the step's token count and is not
+            batch-invariant (with ``batch_invariant: auto`` then off).
         tensor_parallel_size: ranks the target is sharded over (transformers' tensor-parallel
             plan; heads, KV heads and MLP width must divide by it). On one machine specdec
             starts the other ranks itself; under ``torchrun`` every rank runs the program and
@@ -284,7 +291,7 @@ class EngineConfig:
     quantization: str | None = attrs.field(default="auto", converter=lambda v: None if v == "none" else v,
                                            validator=attrs.validators.optional(one_of(*QUANTIZATIONS)))
     prepack_weights: bool = True
-    compile: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _compile_alone(inst, value))
+    compile: bool | str = attrs.field(default="auto", validator=_check_bool_or_auto)
     cuda_graphs: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _graphs_alone(inst, value))
     tensor_parallel_size: int = attrs.field(
         default=1, validator=[in_range(1, 1024), lambda inst, attribute, value: _eager_tp(inst, value)])
@@ -295,7 +302,7 @@ def _eager_tp(engine: EngineConfig, size: int) -> None:
     """A tensor-parallel target runs eagerly and unquantized."""
     if size == 1:
         return
-    for field, on in (("compile", engine.compile), ("cuda_graphs", engine.cuda_graphs)):
+    for field, on in (("compile", engine.compile is True), ("cuda_graphs", engine.cuda_graphs)):
         if on:
             raise FieldError("tensor_parallel_size", f"cannot be combined with {field}: a tensor-parallel target "
                                                      f"runs eagerly; turn {field} off")
@@ -305,17 +312,9 @@ def _eager_tp(engine: EngineConfig, size: int) -> None:
                                                  "none (auto is none under tensor parallelism)")
 
 
-def _compile_alone(engine: EngineConfig, compile: bool) -> None:
-    """``compile`` is refused beside ``batch_invariant: true`` (whose plans run eagerly)."""
-    if compile and engine.batch_invariant is True:
-        raise FieldError("compile", "cannot be combined with batch_invariant: true: the compiled graph fuses "
-                                    "operations in an order that depends on the step's token count; turn one of "
-                                    "them off (batch_invariant: auto is off beside compile)")
-
-
 def _graphs_alone(engine: EngineConfig, cuda_graphs: bool) -> None:
     """``cuda_graphs`` captures the eager forward with the stock attention kernel."""
-    if cuda_graphs and engine.compile:
+    if cuda_graphs and engine.compile is True:
         raise FieldError("cuda_graphs", "cannot be combined with compile: the graphs capture the eager forward; "
                                         "turn one of them off")
     if cuda_graphs and engine.batch_invariant is True:

@@ -62,10 +62,36 @@ class SequenceKV(NamedTuple):
     mask: torch.Tensor | None
 
 
+class KeyRows(NamedTuple):
+    """A step's K/V destinations and every token's key row as tensors, so that a compiled
+    graph calls the CPU batch-invariant attention kernel itself (one operator a layer, no
+    Python), for any number of tokens and sequences: ``keys``/``values`` every layer's
+    pool, ``slots [T]`` where the new tokens' K/V go, the rest
+    :attr:`~specdec.kernels.layout.AttentionLayout.invariant_key_rows` and the tokens'
+    positions."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    slots: torch.Tensor
+    key_slots: torch.Tensor
+    key_pos: torch.Tensor
+    offset: torch.Tensor
+    count: torch.Tensor
+    query_pos: torch.Tensor
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              specdec: ForwardMetadata | None = None, specdec_sequence: SequenceKV | None = None,
                              sliding_window=None, softcap=None, **kwargs):
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(specdec_sequence, KeyRows):
+        layer, step = module.layer_idx, specdec_sequence
+        _write_kv(step.keys[layer], step.values[layer], step.slots, key, value)
+        out = torch.ops.specdec_cpu.invariant_attention(
+            query[0].transpose(0, 1).float().contiguous(), step.keys[layer], step.values[layer], step.key_slots,
+            step.key_pos, step.offset, step.count, step.query_pos, float(scale), float(softcap or 0.0),
+            int(sliding_window or 0))
+        return out.to(query.dtype).unsqueeze(0), None
     if specdec_sequence is not None and sliding_window is None and softcap is None:
         layer, step = module.layer_idx, specdec_sequence
         _write_kv(step.keys[layer], step.values[layer], step.slots, key, value)
@@ -289,7 +315,7 @@ class TargetModel:
 
         return hook
 
-    def compile(self) -> None:
+    def compile(self, batch_invariant: bool = False) -> None:
         """Run the forwards through ``torch.compile`` from now on (``engine.compile``).
 
         Inductor fuses what the transformers code does between the matrix products (norms,
@@ -306,8 +332,18 @@ class TargetModel:
         layer with a sliding window or soft-capping. A graph of two or more tokens keeps at
         least two logits rows (one row is asked as two). Where the paged attention runs a
         Triton kernel (CUDA), several tokens of one sequence take the operator too.
+
+        ``batch_invariant`` (a target on the integer-dot kernels, see
+        :func:`specdec.executor.engine.compiles_invariant`): one graph serves every step,
+        its attention the CPU invariant kernel called from the graph (:class:`KeyRows`),
+        its bfloat16 roundings those of the eager code (``emulate_precision_casts``, or
+        capturing a hidden state would change the fusion and the numerics with it). A
+        step of one token runs it twice, since a graph traced at one token is compiled
+        apart, with other kernels: each token's result then depends on its own sequence
+        only, whatever shares the step.
         """
         model = self.model
+        self._invariant = batch_invariant
         self._trace_sequences = not paged_attention_is_triton(self.device)
         # Freezing packs stock linear weights for oneDNN; a quantized target has none, and
         # freezing's passes run again in every process (the embedded model in w4a8 reached
@@ -335,7 +371,9 @@ class TargetModel:
         """
         if self._compiled is not None:
             self._captured = {}
-            return self._compiled_logits(input_ids[None], positions[None], meta, logits_rows), self._captured
+            logits = self._compiled_logits(input_ids[None], positions[None], meta, logits_rows)
+            tokens = len(input_ids)  # a token run twice (_invariant_logits) is captured twice
+            return logits, {layer: state[:tokens] for layer, state in self._captured.items()}
         logits, captured = self.forward_raw(input_ids, positions, meta, logits_rows)
         return logits.float(), captured
 
@@ -351,6 +389,8 @@ class TargetModel:
     def _compiled_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                          rows: torch.Tensor) -> torch.Tensor:
         count = len(rows)
+        if self._invariant:
+            return self._invariant_logits(ids, positions, meta, rows)
         # Inference-mode copies: the graphs' guards tell them from tensors made outside it.
         ids, positions, rows = ids.clone(), positions.clone(), rows.repeat(2 if count == 1 and ids.shape[1] > 1 else 1)
         if ids.shape[1] > 1:
@@ -370,6 +410,26 @@ class TargetModel:
                 return self._compiled(ids, positions, rows, sequence)[0, :count].float()
         finally:
             compiled_step.meta = None
+
+    def _invariant_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
+                          rows: torch.Tensor) -> torch.Tensor:
+        key_rows, layout = meta.layout.invariant_key_rows, meta.layout
+        step = KeyRows(tuple(meta.cache.keys), tuple(meta.cache.values), layout.slot_mapping, key_rows["slots"],
+                       key_rows["key_pos"], key_rows["offset"], key_rows["count"], layout.query_positions)
+        count = len(rows)
+        if ids.shape[1] == 1:  # one token runs twice: a graph of one would be compiled apart
+            ids, positions = ids.repeat(1, 2), positions.repeat(1, 2)
+            step = step._replace(slots=step.slots.repeat(2), offset=step.offset.repeat(2),
+                                 count=step.count.repeat(2), query_pos=step.query_pos.repeat(2))
+        else:
+            ids, positions = ids.clone(), positions.clone()
+            step = step._replace(**{name: getattr(step, name).clone() for name in step._fields[2:]})
+        rows = rows.repeat(2) if count == 1 else rows.clone()
+        for tensor, dim in ((ids, 1), (positions, 1), (rows, 0), *((t, 0) for t in step[2:])):
+            torch._dynamo.mark_dynamic(tensor, dim)
+        with torch._inductor.config.patch({"size_asserts": False, "alignment_asserts": False,
+                                           "scalar_asserts": False, "emulate_precision_casts": True}):
+            return self._compiled(ids, positions, rows, step)[0, :count].float()
 
     @staticmethod
     def _sequence_kv(meta: ForwardMetadata) -> SequenceKV:

@@ -295,15 +295,16 @@ def test_auto_keeps_stock_numerics_where_the_mode_was_not_measured(tiny_models, 
     ``true`` and ``false`` decide it everywhere."""
     monkeypatch.setattr(cpu, "native_bfloat16", lambda: False)
     target = LLM(dtype="bfloat16").target
-    assert resolve_batch_invariant(EngineConfig(), target) is True
-    assert resolve_batch_invariant(EngineConfig(batch_invariant=False), target) is False
-    assert resolve_batch_invariant(EngineConfig(compile=True), target) is False
+    assert resolve_batch_invariant(EngineConfig(), target, False) is True
+    assert resolve_batch_invariant(EngineConfig(batch_invariant=False), target, False) is False
+    assert resolve_batch_invariant(EngineConfig(compile=True), target, True) is False
     int4 = LLM(dtype="bfloat16", engine={"quantization": "int4"}).target  # torch's packed kernels: not measured
-    assert resolve_batch_invariant(EngineConfig(quantization="int4"), int4) is False
-    w4a8 = LLM(dtype="bfloat16", engine={"quantization": "w4a8"}).target  # integer dots: measured 0.94-0.98x
-    assert resolve_batch_invariant(EngineConfig(quantization="w4a8"), w4a8) is True
-    assert resolve_batch_invariant(EngineConfig(), smol.target) is False  # float32
-    assert resolve_batch_invariant(EngineConfig(batch_invariant=True), smol.target) is True
+    assert resolve_batch_invariant(EngineConfig(quantization="int4"), int4, False) is False
+    w4a8 = LLM(dtype="bfloat16", engine={"quantization": "w4a8", "compile": False}).target  # measured 0.94-0.98x
+    assert resolve_batch_invariant(EngineConfig(quantization="w4a8"), w4a8, False) is True
+    assert resolve_batch_invariant(EngineConfig(quantization="w4a8"), w4a8, True) is True  # one invariant graph
+    assert resolve_batch_invariant(EngineConfig(), smol.target, False) is False  # float32
+    assert resolve_batch_invariant(EngineConfig(batch_invariant=True), smol.target, False) is True
     # head dimensions the attention kernel does not take; an MoE's fused expert tensors
     assert not mode_costs_nothing(target.model, [(3, 8, 8)] * len(target.layer_shapes))
     assert LLM(str(tiny_models["deepseek_v3"]), dtype="bfloat16").engine.batch_invariant is False

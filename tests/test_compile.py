@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 from specdec import LLM, SamplingParams, testing
 from specdec.errors import ConfigError
-from specdec.kernels import AttentionLayout, SequenceSlice
+from specdec.kernels import AttentionLayout, SequenceSlice, int8_dot
 from specdec.kvcache import PagedKVCache
 from specdec.models import load_causal_lm
 from specdec.target_model import ForwardMetadata, TargetModel
@@ -99,9 +99,47 @@ def test_drafts_on_a_compiled_target_are_lossless(tiny_models, quantization):
                                   engine={"compile": True, "quantization": quantization}, device="cpu")
 
 
-def test_compile_with_batch_invariant_is_a_config_error():
-    with pytest.raises(ConfigError, match="compile.*batch_invariant"):
-        LLM(engine={"compile": True, "batch_invariant": True})
+def test_compile_with_batch_invariant_is_refused_where_the_graph_would_not_be_invariant(tiny_models):
+    with pytest.raises(ConfigError, match="batch_invariant: true cannot be combined with compile: true.*w4a8"):
+        LLM(model=str(tiny_models["llama"]), dtype="bfloat16", engine={"compile": True, "batch_invariant": True})
+
+
+def _step(target: TargetModel, cache: PagedKVCache, seqs: list[tuple[list[int], int, torch.Tensor]]) -> torch.Tensor:
+    """One forward of ``seqs`` (block table, committed tokens, new token ids): every new token's logits."""
+    slices = [SequenceSlice(block_table=table, start=start, positions=torch.arange(start, start + len(ids)))
+              for table, start, ids in seqs]
+    layout = AttentionLayout(slices, 16, target.device)
+    logits, _ = target.forward(torch.cat([ids for *_, ids in seqs]), layout.query_positions,
+                               ForwardMetadata(cache=cache, layout=layout), torch.arange(layout.num_tokens))
+    return logits
+
+
+@pytest.mark.skipif(not int8_dot.kernel_available(), reason="the integer-dot kernels are not built here")
+def test_an_integer_dot_target_compiles_one_graph_whose_tokens_ignore_their_neighbours(tiny_models):
+    """``compile: auto`` on a bfloat16 target on the integer-dot kernels: one graph serves
+    every step (a token alone runs twice through it), and a token's logits are the same bits
+    decoded alone, in a chunk of its sequence and beside another sequence's tokens; served
+    alone or batched, with drafts or without, the answers are the same."""
+    before = counters["stats"]["unique_graphs"]
+    llm = LLM(model=str(tiny_models["llama"]), dtype="bfloat16", device="cpu", engine={"quantization": "w4a8"})
+    assert llm.engine.compiled and llm.engine.batch_invariant
+    target = llm.target
+    cache = llm.engine.kv.cache  # its blocks, no request holding any yet
+    ids = (torch.arange(3, 15) * 7) % 100
+    chunk = _step(target, cache, [([0], 0, ids)])
+    alone = torch.cat([_step(target, cache, [([1], i, ids[i:i + 1])]) for i in range(len(ids))])
+    beside = torch.cat([_step(target, cache, [([2], i, ids[i:i + 1]), ([3, 4, 5], 3 * i, ids[:3] + i)])[:1]
+                        for i in range(len(ids))])
+    assert torch.equal(chunk, alone) and torch.equal(chunk, beside)
+    prompts = [[5, 9, 11, 3, 7, 5, 9, 11, 3, 7], [2, 4, 6, 8, 2, 4, 6, 8, 2], [1, 2, 3]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    batched = [o.token_ids for o in llm.generate(prompts, params)]
+    assert counters["stats"]["unique_graphs"] - before == 1
+    spec = testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 4}, tiny_models["llama"],
+                                         prompts=prompts, max_tokens=12, dtype="bfloat16", device="cpu",
+                                         engine={"quantization": "w4a8"})
+    assert alone == batched == [o.token_ids for o in spec]
 
 
 @pytest.mark.slow

@@ -127,10 +127,10 @@ def smol_w4a8_plain():
 def test_embedded_w4a8_greedy_lossless_with_every_method(smol_w4a8_plain, method):
     """On the integer-dot kernels (8-bit activations, each token's quantized on its own)
     every method's output equals the w4a8 target's plain output, drafts accepted
-    (bfloat16, the batch-invariant attention)."""
+    (bfloat16, the batch-invariant attention, the forward compiled as by default)."""
     spec = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "w4a8", "batch_invariant": True},
                speculative_config={"decoding_type": method, "adaptive": False})
-    assert sum(isinstance(m, W4A8Linear) for m in spec.target.model.modules()) == 210
+    assert sum(isinstance(m, W4A8Linear) for m in spec.target.model.modules()) == 210 and spec.engine.compiled
     got = spec.chat(testing.SHIPPED_CHECK_PROMPTS, testing.SHIPPED_CHECK_PARAMS)
     for i, (a, b) in enumerate(zip(smol_w4a8_plain, got)):
         assert a.token_ids == b.token_ids, f"prompt {i} departs at {testing.first_divergence(a.token_ids, b.token_ids)}"
@@ -203,10 +203,11 @@ def test_a_drafter_for_another_target_is_refused_as_for_the_unquantized_target(t
 
 def test_auto_runs_a_q4_gguf_on_the_integer_dot_kernels(smol):
     """The default for a CPU user: the embedded Q4_1 file runs its own blocks (w4a8) in the
-    batch-invariant mode, unless a dtype is asked for or ``none`` is; the dequantized weights
-    are one option away."""
+    batch-invariant mode, its forward compiled, unless a dtype is asked for or ``none`` is;
+    the dequantized weights are one option away."""
     default = LLM(device="cpu")
     assert default.config.engine.quantization == "w4a8" and default.engine.batch_invariant
+    assert default.engine.compiled
     assert sum(isinstance(m, W4A8Linear) for m in default.target.model.modules()) == 210
     assert LLM(device="cpu", engine={"quantization": "none"}).config.engine.quantization is None
     assert smol.config.engine.quantization is None  # dtype float32 asked for

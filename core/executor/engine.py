@@ -32,7 +32,7 @@ from ..grammar import GrammarCompiler
 from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
 from ..kernels.invariant import mode_costs_nothing
 from ..kvcache import HiddenStateCache, KVCacheManager
-from ..quantization import Int4Linear, Int8Linear
+from ..quantization import Int4Linear, Int8Linear, PackedLinear
 from ..sampling_params import SamplingParams
 from ..target_model import ForwardMetadata, TargetModel
 from .cuda_graphs import CudaGraphs
@@ -51,18 +51,47 @@ from .verifier import Verifier
 log = logging.getLogger(__name__)
 
 
-def resolve_batch_invariant(config: EngineConfig, target: TargetModel) -> bool:
+def compiles_invariant(target: TargetModel) -> bool:
+    """Whether ``target``'s compiled forward is batch-invariant: a CPU target whose every
+    product runs the integer-dot kernels (invariant by construction) and whose attention
+    runs the CPU invariant kernel, called from the graph
+    (:class:`specdec.target_model.KeyRows`); inductor then fuses only each token's own
+    work between them, in one graph for every step (:meth:`TargetModel.compile`)."""
+    modules = list(target.model.modules())
+    return (target.device.type == "cpu" and invariant_attention_is_kernel(target.device)
+            and any(isinstance(m, PackedLinear) for m in modules)
+            and not any(isinstance(m, (torch.nn.Linear, Int4Linear, Int8Linear)) for m in modules))
+
+
+def resolve_compile(config: EngineConfig, target: TargetModel) -> bool:
+    """``engine.compile`` as the engine runs it: ``auto`` is on for a bfloat16 target whose
+    compiled forward is batch-invariant (:func:`compiles_invariant`) unless
+    ``batch_invariant: false`` asks for stock numerics: there compiling keeps greedy
+    speculative output bit-identical to plain output and halves a step's time."""
+    if config.compile != "auto":
+        return config.compile
+    return config.batch_invariant is not False and target.dtype == torch.bfloat16 and compiles_invariant(target)
+
+
+def resolve_batch_invariant(config: EngineConfig, target: TargetModel, compiled: bool = False) -> bool:
     """``engine.batch_invariant`` as the engine runs it: ``auto`` is on for a bfloat16 CPU
-    target, not compiled, unquantized or on the integer-dot kernels (``w4a8``, ``w8a8``,
-    invariant by construction; torch's packed int4/int8 layers were not measured), whose
-    every layer the mode runs as cheaply as stock numerics
+    target unquantized or on the integer-dot kernels (``w4a8``, ``w8a8``, invariant by
+    construction; torch's packed int4/int8 layers were not measured), whose every layer the
+    mode runs as cheaply as stock numerics
     (:func:`specdec.kernels.invariant.mode_costs_nothing`), where it was measured to cost what
-    stock numerics cost."""
+    stock numerics cost; when ``compiled``, only where the compiled forward is invariant.
+    ``true`` beside a compiled forward that cannot be is refused."""
+    if config.batch_invariant is True and compiled and not compiles_invariant(target):
+        raise FieldError("engine.batch_invariant", "true cannot be combined with compile: true on this target: the "
+                                                   "compiled forward is batch-invariant only on a CPU with every "
+                                                   "linear layer on the integer-dot kernels (quantization: w4a8 or "
+                                                   "w8a8); turn compile or batch_invariant off")
     if config.batch_invariant != "auto":
         return config.batch_invariant
     on_torch_packed = any(isinstance(m, (Int4Linear, Int8Linear)) for m in target.model.modules())
-    return (target.device.type == "cpu" and target.dtype == torch.bfloat16 and not config.compile
-            and not on_torch_packed and mode_costs_nothing(target.model, target.layer_shapes))
+    return (target.device.type == "cpu" and target.dtype == torch.bfloat16
+            and (not compiled or compiles_invariant(target)) and not on_torch_packed
+            and mode_costs_nothing(target.model, target.layer_shapes))
 
 
 def _reads_prompt_hidden_states(hooks: pluggy.PluginManager) -> bool:
@@ -100,12 +129,15 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv)
         #: every rule of how much each request drafts (None without speculation)
         self.planner = DraftPlanner.for_config(spec) if spec is not None else None
+        #: whether the target's forward is compiled, ``engine.compile`` resolved
+        self.compiled = resolve_compile(config, target)
         #: the batch-invariant numerics mode, ``engine.batch_invariant`` resolved
-        self.batch_invariant = resolve_batch_invariant(config, target)
-        log.info("engine.batch_invariant: %s (%s)", "on" if self.batch_invariant else "off", config.batch_invariant)
-        target.set_linear_forwards(self.batch_invariant, config.prepack_weights and not config.compile)
-        if config.compile:
-            target.compile()
+        self.batch_invariant = resolve_batch_invariant(config, target, self.compiled)
+        log.info("engine.batch_invariant: %s (%s); engine.compile: %s (%s)", "on" if self.batch_invariant else "off",
+                 config.batch_invariant, "on" if self.compiled else "off", config.compile)
+        target.set_linear_forwards(self.batch_invariant, config.prepack_weights and not self.compiled)
+        if self.compiled:
+            target.compile(self.batch_invariant)
             self._warm_up_compiled()
         # the torch attentions pad a batch's sequences to the widest, the kernels do not; the
         # batch-invariant torch attention also runs a step's draft trees as a batch of their own
@@ -144,13 +176,14 @@ class Engine:
 
     def _warm_up_compiled(self) -> None:
         """Compile the compiled target's graphs now, not on the first requests: one token of
-        one sequence, two tokens of one, then one token each of two sequences, written into
-        the first blocks (no request holds any yet). A progress bar on a terminal: the first
-        compilation takes a minute or two; torch's on-disk caches shorten the next."""
+        one sequence, two tokens of one, then one token each of two sequences (a batch-invariant
+        target has one graph for all: two tokens), written into the first blocks (no request
+        holds any yet). A progress bar on a terminal: the first compilation takes a minute or
+        two; torch's on-disk caches shorten the next."""
         started = time.perf_counter()
         blocks, size, device = self.kv.pool.num_blocks, self.kv.block_size, self.target.device
         first = list(range(min(2, blocks)))
-        steps = [[(first, 1)], [(first, 2)], [([0], 1), ([1], 1)]]
+        steps = [[(first, 2)]] if self.batch_invariant else [[(first, 1)], [(first, 2)], [([0], 1), ([1], 1)]]
         for step in tqdm(steps, desc="engine.compile: compiling the target's graphs", unit="graph", disable=None):
             if any(len(table) * size < count or max(table) >= blocks for table, count in step):
                 continue

@@ -60,7 +60,13 @@ def kernel_available() -> bool:
                     "slower on draft trees and, without bfloat16 instructions, on every step of several tokens",
                     type(exc).__name__, str(exc).splitlines()[0])
         return False
+    torch.library.register_fake("specdec_cpu::invariant_attention", _attention_output_like)
     return True
+
+
+def _attention_output_like(query, key_pool, value_pool, slots, key_pos, offset, count, query_pos, scale, softcap,
+                           window):
+    return query.new_empty(query.shape[0], query.shape[1], value_pool.shape[2], dtype=key_pool.dtype)
 
 
 #: the attention kernel's vector width in floats where the CPU has AVX-512 (8 on AVX2): head
