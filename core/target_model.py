@@ -337,10 +337,12 @@ class TargetModel:
         :func:`specdec.executor.engine.compiles_invariant`): one graph serves every step,
         its attention the CPU invariant kernel called from the graph (:class:`KeyRows`),
         its bfloat16 roundings those of the eager code (``emulate_precision_casts``, or
-        capturing a hidden state would change the fusion and the numerics with it). A
-        step of one token runs it twice, since a graph traced at one token is compiled
-        apart, with other kernels: each token's result then depends on its own sequence
-        only, whatever shares the step.
+        capturing a hidden state would change the fusion and the numerics with it), its
+        wrapper C++ (``cpp_wrapper``: a Python wrapper's ~240 operator calls cost a third
+        of a decode step; the first compilation takes longer). A step of one token runs
+        its token twice, since a graph traced at one token is compiled apart, with other
+        kernels: each token's result then depends on its own sequence only, whatever
+        shares the step.
         """
         model = self.model
         self._invariant = batch_invariant
@@ -428,7 +430,8 @@ class TargetModel:
         for tensor, dim in ((ids, 1), (positions, 1), (rows, 0), *((t, 0) for t in step[2:])):
             torch._dynamo.mark_dynamic(tensor, dim)
         with torch._inductor.config.patch({"size_asserts": False, "alignment_asserts": False,
-                                           "scalar_asserts": False, "emulate_precision_casts": True}):
+                                           "scalar_asserts": False, "emulate_precision_casts": True,
+                                           "cpp_wrapper": True}):
             return self._compiled(ids, positions, rows, step)[0, :count].float()
 
     @staticmethod
