@@ -24,6 +24,7 @@ from .api import LLM
 from .config import SpecdecConfig
 from .config_loading import config_from_dict, load_config, unstructure
 from .executor.metrics import RequestMetrics
+from .llama_cpp_baseline import LlamaCppWorker, require_bindings
 from .models import gguf_file
 from .prompt_sets import PROMPTS, load_jsonl, messages
 from .sampling_params import SamplingParams
@@ -147,115 +148,28 @@ def hf_systems(llm: LLM, max_tokens: int, assistant_layers: int) -> dict:
             f"HF assistant ({assistant_layers} layers)": system(assistant_model=assistant)}
 
 
-LLAMA_CPP_INSTALL = "pip install 'specdec[llama-cpp]' (llama-cpp-python; it compiles llama.cpp, a few minutes)"
 #: llama.cpp's plain decoding in a report: with it in the run, every system's ratio to it
 LLAMA_CPP_PLAIN = "llama.cpp"
 
 
 def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int, batch_size: int = 1) -> dict:
-    """llama.cpp (``llama-cpp-python``) on ``gguf``, as many threads as torch: plain greedy
-    decoding, a batch's sequences decoded together (:func:`_llama_cpp_batched`) where
-    ``batch_size`` > 1, and its prompt-lookup drafting (10 tokens), one request at a time
-    (its speculative decoding takes one sequence)."""
-    try:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError:
-        raise ValueError(f"--llama-cpp needs llama-cpp-python: {LLAMA_CPP_INSTALL}") from None
-    threads = torch.get_num_threads()
-    eos = llm.target.eos_token_ids
-    n_ctx = min(llm.target.max_model_len, 4096)
+    """llama.cpp (``llama-cpp-python``) on ``gguf`` in a process of its own
+    (:mod:`specdec.llama_cpp_baseline`), as many threads as torch: plain greedy decoding
+    (a batch's sequences decoded together where ``batch_size`` > 1) and its prompt-lookup
+    drafting, one request at a time. The worker ends with the process."""
+    require_bindings()
+    worker = LlamaCppWorker(gguf, min(llm.target.max_model_len, 4096), torch.get_num_threads(), max_tokens,
+                            llm.target.eos_token_ids, batch_size)
 
-    def system(**extra):
-        model = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False,
-                      **extra)
-
+    def system(name: str):
         def run(conversations: list, res: CategoryResult) -> None:
-            res.outputs = res.outputs if res.outputs is not None else []
-            for conv in conversations:
-                ids = llm.apply_chat_template(conv)
-                out: list[int] = []
-                started = time.perf_counter()
-                for token in model.generate(ids, top_k=1, temp=0.0, reset=True):
-                    if token in eos:
-                        break
-                    out.append(token)
-                    if len(out) == max_tokens:
-                        break
-                res.seconds += time.perf_counter() - started
-                res.tokens += len(out)
-                res.outputs.append(out)
+            seconds, outputs = worker.run(name, [llm.apply_chat_template(conv) for conv in conversations])
+            res.outputs = (res.outputs if res.outputs is not None else []) + outputs
+            res.seconds += seconds
+            res.tokens += sum(map(len, outputs))
         return run
 
-    if batch_size == 1:
-        plain = system()
-    else:
-        model = Llama(model_path=str(gguf), n_ctx=64, n_threads=threads, verbose=False)
-        plain = _llama_cpp_batched(llm, model, min(n_ctx, 2048) * batch_size, batch_size, threads, max_tokens)
-    return {LLAMA_CPP_PLAIN: plain, "llama.cpp prompt lookup": system(draft_model=LlamaPromptLookupDecoding(
-        num_pred_tokens=10))}
-
-
-def _llama_cpp_batched(llm: LLM, model, n_ctx: int, batch_size: int, threads: int, max_tokens: int):
-    """llama.cpp's greedy decoding of a batch's sequences together, as its server decodes
-    parallel requests: a context of ``batch_size`` sequences over one KV cache, each step one
-    ``llama_decode`` of every unfinished sequence's newest token (prompts prefilled one
-    sequence at a time). Through the bindings' low-level API: their ``Llama`` class holds
-    one sequence."""
-    import llama_cpp
-    import numpy as np
-
-    params = llama_cpp.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, 512, 512, batch_size
-    params.n_threads = params.n_threads_batch = threads
-    params.kv_unified = True
-    ctx = llama_cpp.llama_init_from_model(model._model.model, params)
-    if not ctx:
-        raise ValueError(f"llama.cpp could not make a context of {batch_size} sequences and {n_ctx} tokens")
-    vocab, eos = model.n_vocab(), set(llm.target.eos_token_ids)
-    batch = llama_cpp.llama_batch_init(params.n_batch, 0, batch_size)
-
-    def decode(tokens: list[tuple[int, int, int, bool]]) -> None:
-        """One ``llama_decode`` of ``(token, position, sequence, wants logits)``."""
-        for i, (token, pos, seq, logits) in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
-            batch.seq_id[i][0] = seq
-        batch.n_tokens = len(tokens)
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
-
-    def argmax(i: int) -> int:
-        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
-
-    def run(conversations: list, res: CategoryResult, model=model) -> None:  # the context needs the model alive
-        res.outputs = res.outputs if res.outputs is not None else []
-        prompts = [llm.apply_chat_template(conv) for conv in conversations]
-        outs: list[list[int]] = [[] for _ in prompts]
-        started = time.perf_counter()
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-        nxt = {}
-        for seq, prompt in enumerate(prompts):
-            for start in range(0, len(prompt), params.n_batch):
-                chunk = prompt[start:start + params.n_batch]
-                decode([(t, start + j, seq, start + j == len(prompt) - 1) for j, t in enumerate(chunk)])
-            nxt[seq] = argmax(len(chunk) - 1)
-        while nxt:
-            for seq, token in list(nxt.items()):
-                if token in eos:
-                    del nxt[seq]
-                    continue
-                outs[seq].append(token)
-                if len(outs[seq]) == max_tokens:
-                    del nxt[seq]
-            order = list(nxt)
-            if order:
-                decode([(nxt[seq], len(prompts[seq]) + len(outs[seq]) - 1, seq, True) for seq in order])
-                nxt = {seq: argmax(i) for i, seq in enumerate(order)}
-        res.seconds += time.perf_counter() - started
-        res.tokens += sum(map(len, outs))
-        res.outputs.extend(outs)
-
-    return run
+    return {LLAMA_CPP_PLAIN: system("plain"), "llama.cpp prompt lookup": system("prompt lookup")}
 
 
 def llama_cpp_headline(report: dict) -> str | None:
