@@ -268,7 +268,8 @@ class EngineConfig:
             starts the other ranks itself; under ``torchrun`` every rank runs the program and
             rank 0 serves. Eager and unquantized. Default 1.
         distributed_timeout_s: the longest any collective of a tensor-parallel group waits
-            before the engine reports the worker that did not answer. Default 60.
+            before the engine reports the worker that did not answer (the ranks get at least
+            60 s to meet when the group starts: a worker imports torch first). Default 60.
         cuda_graphs: on a CUDA target, replay captured CUDA graphs of the forward for steps
             of up to 512 tokens (decodes, draft chains and trees; prompt chunks up to 64
             tokens), padded into buckets of sequences and tokens

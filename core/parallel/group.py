@@ -47,6 +47,11 @@ HEADER_BYTES = 8192
 
 #: numbers the groups of one torchrun program, so that several (one per LLM) share its store
 _GROUPS = itertools.count()
+#: what a failure while the ranks meet is reported as
+STARTING = "starting the group"
+#: the least time the ranks are given to meet: a worker process imports torch and specdec
+#: first, which takes longer than a short ``distributed_timeout_s`` on a loaded machine
+JOIN_TIMEOUT_S = 60.0
 
 
 class WorkerError(SpecdecError):
@@ -90,6 +95,7 @@ class TensorParallelGroup:
         self.size = size
         self.device = device
         self.timeout_s = timeout_s
+        self._join_timeout_s = max(timeout_s, JOIN_TIMEOUT_S)
         self.workers = workers or []
         self.failure: WorkerError | None = None
         self.peers: list[tuple[str, int]] = []  # (host, pid) of each rank
@@ -133,7 +139,7 @@ class TensorParallelGroup:
             torch.cuda.set_device(device)
         group = cls(rank, size, device, timeout, workers)
         try:
-            with group.guard("starting the group"):
+            with group.guard(STARTING):
                 group._init(address, port, config)
         except BaseException:
             group.close()
@@ -164,7 +170,9 @@ class TensorParallelGroup:
         timeout = datetime.timedelta(seconds=self.timeout_s)
         # torchrun's agent keeps the store the ranks meet at; otherwise rank 0 holds it
         master = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        self._store = dist.TCPStore(address, port, self.size, is_master=master, timeout=timeout)
+        self._store = dist.TCPStore(address, port, self.size, is_master=master,
+                                    timeout=datetime.timedelta(seconds=self._join_timeout_s))
+        self._store.set_timeout(timeout)
         prefix = f"specdec-tp-{next(_GROUPS)}" if launched_by_torchrun() else "specdec-tp"
         self.plan_group = _gloo(dist.PrefixStore(f"{prefix}/plan", self._store), self.rank, self.size, timeout)
         backend = _nccl if self.device.type == "cuda" else _gloo
@@ -249,6 +257,9 @@ class TensorParallelGroup:
             if dead:
                 who = ", ".join(f"rank {r} ({reason})" for r, reason in dead)
                 text = f"tensor-parallel worker {who} is gone while {what}"
+            elif what == STARTING:
+                text = (f"a tensor-parallel worker (ranks 1..{self.size - 1}) did not join within "
+                        f"{self._join_timeout_s:g} s while {what}")
             else:
                 text = (f"a tensor-parallel worker (ranks 1..{self.size - 1}) did not answer within "
                         f"engine.distributed_timeout_s = {self.timeout_s:g} s while {what}")
