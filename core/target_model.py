@@ -29,6 +29,7 @@ from .kernels import (
     prepack_linear,
     restore_linear,
 )
+from .kernels.cpu import attend_key_rows
 from .kvcache import PagedKVCache
 
 ATTENTION_NAME = "specdec_paged"
@@ -87,11 +88,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if isinstance(specdec_sequence, KeyRows):
         layer, step = module.layer_idx, specdec_sequence
         _write_kv(step.keys[layer], step.values[layer], step.slots, key, value)
-        out = torch.ops.specdec_cpu.invariant_attention(
-            query[0].transpose(0, 1).float().contiguous(), step.keys[layer], step.values[layer], step.key_slots,
-            step.key_pos, step.offset, step.count, step.query_pos, float(scale), float(softcap or 0.0),
-            int(sliding_window or 0))
-        return out.to(query.dtype).unsqueeze(0), None
+        out = attend_key_rows(query[0], step.keys[layer], step.values[layer], step.key_slots, step.key_pos,
+                              step.offset, step.count, step.query_pos, scale, sliding_window, softcap)
+        return out.unsqueeze(0), None
     if specdec_sequence is not None and sliding_window is None and softcap is None:
         layer, step = module.layer_idx, specdec_sequence
         _write_kv(step.keys[layer], step.values[layer], step.slots, key, value)
@@ -419,14 +418,13 @@ class TargetModel:
         step = KeyRows(tuple(meta.cache.keys), tuple(meta.cache.values), layout.slot_mapping, key_rows["slots"],
                        key_rows["key_pos"], key_rows["offset"], key_rows["count"], layout.query_positions)
         count = len(rows)
-        if ids.shape[1] == 1:  # one token runs twice: a graph of one would be compiled apart
-            ids, positions = ids.repeat(1, 2), positions.repeat(1, 2)
-            step = step._replace(slots=step.slots.repeat(2), offset=step.offset.repeat(2),
-                                 count=step.count.repeat(2), query_pos=step.query_pos.repeat(2))
-        else:
-            ids, positions = ids.clone(), positions.clone()
-            step = step._replace(**{name: getattr(step, name).clone() for name in step._fields[2:]})
-        rows = rows.repeat(2) if count == 1 else rows.clone()
+        # Inference-mode copies (repeat copies); one token runs twice, as a graph of one would
+        # be compiled apart, and one logits row is asked as two.
+        copies = 2 if ids.shape[1] == 1 else 1
+        ids, positions, rows = ids.repeat(1, copies), positions.repeat(1, copies), rows.repeat(2 if count == 1 else 1)
+        per_token = ("slots", "offset", "count", "query_pos")
+        step = step._replace(**{name: getattr(step, name).repeat(copies if name in per_token else 1)
+                                for name in step._fields[2:]})
         for tensor, dim in ((ids, 1), (positions, 1), (rows, 0), *((t, 0) for t in step[2:])):
             torch._dynamo.mark_dynamic(tensor, dim)
         with torch._inductor.config.patch({"size_asserts": False, "alignment_asserts": False,

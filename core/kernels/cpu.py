@@ -91,11 +91,22 @@ def invariant_attention_cpu(query: torch.Tensor, key_pool: torch.Tensor, value_p
     if not kernel_available():
         raise RuntimeError("the CPU batch-invariant attention kernel is not built here (see the warning logged)")
     rows = layout.invariant_key_rows
+    return attend_key_rows(query, key_pool, value_pool, rows["slots"], rows["key_pos"], rows["offset"], rows["count"],
+                           layout.query_positions, scale, sliding_window, softcap)
+
+
+def attend_key_rows(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, slots: torch.Tensor,
+                    key_pos: torch.Tensor, offset: torch.Tensor, count: torch.Tensor, query_pos: torch.Tensor,
+                    scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """The kernel over key rows given as tensors (:attr:`AttentionLayout.invariant_key_rows`,
+    the tokens' positions): what :func:`invariant_attention_cpu` runs, and what a compiled
+    graph calls with the rows as its inputs. ``query`` ``[heads, T, dim]``; returns ``[T,
+    heads, value_dim]`` in its dtype."""
     heads, tokens, dim = query.shape
     query_rows = torch.empty(tokens, heads, dim, dtype=torch.float32).copy_(query.transpose(0, 1))
-    out = torch.ops.specdec_cpu.invariant_attention(
-        query_rows, key_pool, value_pool, rows["slots"], rows["key_pos"], rows["offset"], rows["count"],
-        layout.query_positions, float(scale), float(softcap or 0.0), int(sliding_window or 0))
+    out = torch.ops.specdec_cpu.invariant_attention(query_rows, key_pool, value_pool, slots, key_pos, offset, count,
+                                                    query_pos, float(scale), float(softcap or 0.0),
+                                                    int(sliding_window or 0))
     return out.to(query.dtype)
 
 
