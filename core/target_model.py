@@ -242,7 +242,9 @@ class TargetModel:
         model.set_attn_implementation(ATTENTION_NAME)
         self._layers, self._norm = _decoder_parts(model)
         self._captured: dict[int, torch.Tensor] = {}
-        self._hooked: set[int] = set()
+        self._invariant = False
+        self._hooked: set[int] = set()  # layers with a hook writing ``_captured``
+        self._wanted: set[int] = set()  # layers whose states forwards return
         self._compiled = None
         self.layer_shapes = self._probe_kv_shapes()
 
@@ -292,7 +294,16 @@ class TargetModel:
 
     def capture_hidden_layers(self, layers: list[int]) -> None:
         """Keep the hidden states of these layers (``-1``: final norm output) at every forward."""
-        for layer in layers:
+        self._wanted.update(layers)
+        self._hook_layers()
+
+    def _hook_layers(self) -> None:
+        """Hook the wanted layers; every layer where the one invariant graph keeps any (see
+        :meth:`compile`)."""
+        layers = self._wanted
+        if self._compiled is not None and self._invariant and layers:
+            layers = {*range(self.num_layers), *([-1] if self._norm is not None else [])}
+        for layer in sorted(layers):
             if layer in self._hooked:
                 continue
             if layer == -1:
@@ -341,7 +352,10 @@ class TargetModel:
         of a decode step; the first compilation takes longer). A step of one token runs
         its token twice, since a graph traced at one token is compiled apart, with other
         kernels: each token's result then depends on its own sequence only, whatever
-        shares the step.
+        shares the step. Where a drafter reads hidden states, that graph keeps every
+        layer's, whichever it reads, so that the target compiles two graphs at most, one
+        without states and one for every drafting method that reads them (a few kilobytes
+        a token and layer on the CPU models it serves).
         """
         model = self.model
         self._invariant = batch_invariant
@@ -361,6 +375,7 @@ class TargetModel:
         logits.__code__ = logits.__code__.replace()
         self._compiled = torch.compile(
             logits, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        self._hook_layers()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
@@ -374,7 +389,7 @@ class TargetModel:
             self._captured = {}
             logits = self._compiled_logits(input_ids[None], positions[None], meta, logits_rows)
             tokens = len(input_ids)  # a token run twice (_invariant_logits) is captured twice
-            return logits, {layer: state[:tokens] for layer, state in self._captured.items()}
+            return logits, {layer: self._captured[layer][:tokens] for layer in self._wanted}
         logits, captured = self.forward_raw(input_ids, positions, meta, logits_rows)
         return logits.float(), captured
 
@@ -385,7 +400,7 @@ class TargetModel:
         self._captured = {}
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
                          logits_to_keep=logits_rows, specdec=meta)
-        return out.logits[0], self._captured
+        return out.logits[0], {layer: self._captured[layer] for layer in self._wanted}
 
     def _compiled_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                          rows: torch.Tensor) -> torch.Tensor:
@@ -427,6 +442,9 @@ class TargetModel:
                                 for name in step._fields[2:]})
         for tensor, dim in ((ids, 1), (positions, 1), (rows, 0), *((t, 0) for t in step[2:])):
             torch._dynamo.mark_dynamic(tensor, dim)
+        if not hasattr(step.keys[0], "_dynamo_dynamic_indices"):  # once per cache: its slots, whatever their number
+            for pool in (*step.keys, *step.values):
+                torch._dynamo.mark_dynamic(pool, 0)
         with torch._inductor.config.patch({"size_asserts": False, "alignment_asserts": False,
                                            "scalar_asserts": False, "emulate_precision_casts": True,
                                            "cpp_wrapper": True}):
