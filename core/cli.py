@@ -229,7 +229,7 @@ def cmd_train(args) -> int:
                         seed=args.seed, epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
                         max_seq_len=args.max_seq_len, lr=args.lr, save_every=args.save_every,
                         max_new_tokens=args.max_new_tokens, gen_dtype=args.gen_dtype,
-                        gen_batch_size=args.gen_batch_size,
+                        quantization=args.quantization, gen_batch_size=args.gen_batch_size,
                         eval_prompts=args.eval_prompts, max_samples=args.max_samples, resume=args.resume,
                         init=args.init,
                         trainer_options=options)
@@ -331,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=160, help="length of the target's answers")
     p.add_argument("--gen-dtype", choices=["float32", "bfloat16"], default="bfloat16",
                    help="dtype the target answers in (the dtype you will serve in)")
+    p.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q not in ("auto", "none")],
+                   help="the target's weights as you will serve them (w4a8: the embedded model's CPU default): its "
+                        "answers, features and evaluation come from the target quantized so (default: unquantized)")
     p.add_argument("--gen-batch-size", type=int, default=24, help="requests the target answers at once")
     p.add_argument("--eval-prompts", type=int, default=16,
                    help="prompts held out for the final evaluation (the file's last ones)")

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers import tiny_chat_model
 
 from specdec import LLM, SamplingParams, testing
 from specdec.training.data import Sample, TrainingDataError, encode_prompt, read_items, split_eval
@@ -131,6 +132,48 @@ def test_feature_store_matches_the_target_resumes_grows_and_serves_fewer_layers(
     assert calls == [] and json.loads((tmp_path / "a" / INDEX).read_text())["done"] == 5
     for layer in (0, -1):
         assert torch.equal(first.rows(layer), whole.rows(layer)[:sum(whole.lengths[:3])])
+
+
+def test_a_target_served_quantized_answers_gives_features_and_is_evaluated_quantized(tmp_path):
+    """``--quantization w4a8``: the drafter learns what it will be served beside. The answers
+    are the quantized target's greedy ones, the stored features its hidden states (not the
+    unquantized target's), the held-out evaluation runs it; the store is computed again
+    for a run without quantization."""
+    from specdec.models import load_weights
+    from specdec.training import TrainOptions, train
+    from specdec.training.features import INDEX
+    from specdec.training.method import TrainTarget
+
+    directory = tiny_chat_model(tmp_path / "model")
+    model = str(directory)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("one two", "three four five", "six", "seven")))
+    options = dict(method="medusa", data=str(data), model=model, device="cpu", max_new_tokens=8, batch_size=2,
+                   max_steps=1, eval_prompts=1, trainer_options={"num_heads": 1})
+    report = train(TrainOptions(out=str(tmp_path / "q"), quantization="w4a8", **options), progress=False)
+    assert report["quantization"] == "w4a8" and report["eval"]["prompts"] == 1
+    samples = [json.loads(line) for line in (tmp_path / "q" / "samples.jsonl").read_text().splitlines()]
+    served = LLM(model, dtype="bfloat16", engine={"quantization": "w4a8"})
+    plain = LLM(model, dtype="bfloat16")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    ids = [s["token_ids"][:s["loss_start"] + 1] for s in samples]
+    answers = [o.token_ids for o in served.generate(ids, params)]
+    assert [s["token_ids"][s["loss_start"] + 1:] for s in samples] == answers
+    assert answers != [o.token_ids for o in plain.generate(ids, params)]
+    features = tmp_path / "q" / "features"
+    assert json.loads((features / INDEX).read_text())["quantization"] == "w4a8"
+    quantized = TrainTarget(load_weights(model, "w4a8", torch.bfloat16, torch.device("cpu"))[0], served.tokenizer,
+                            "tiny", directory)
+    first = torch.tensor([samples[0]["token_ids"]])
+    _, states = quantized.run(first, torch.ones_like(first), [-1])
+    stored = torch.from_file(str(features / "layer_-1.bin"), size=first.shape[1] * quantized.hidden_size,
+                             dtype=torch.bfloat16).view(-1, quantized.hidden_size)
+    assert torch.equal(stored, states[-1][0].to(torch.bfloat16))
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "samples.jsonl").write_text((tmp_path / "q" / "samples.jsonl").read_text())
+    (tmp_path / "u" / "features").symlink_to(features)
+    assert train(TrainOptions(out=str(tmp_path / "u"), **options), progress=False)["quantization"] is None
+    assert "quantization" not in json.loads((features / INDEX).read_text())  # computed again, unquantized
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ Methods that learn from the target's features (EAGLE, Medusa, MTP) would otherwi
 the whole target for every batch of every epoch; on a CPU that costs more than the
 drafter's own training. :class:`FeatureStore` runs the target once over all samples (in
 the dtype the drafter will be served with, so training sees the features inference
-sees) and writes each requested layer as one flat file of rows, sample after sample::
+sees) and writes each requested layer as one flat file of rows, sample after sample (a target served quantized, as quantized: ``quantized``)::
 
     OUT/features/index.json       layers, dtype, hidden size, tokens per sample, samples done
     OUT/features/layer_{L}.bin    [total tokens, hidden] raw rows (L = -1: final normalised)
@@ -58,12 +58,17 @@ class FeatureStore:
     @classmethod
     def build(cls, directory: Path, target: TrainTarget, samples: list[Sample], layers: list[int], max_len: int,
               dtype: str = "bfloat16", batch_tokens: int = 4096,
-              progress: Callable[[int, int], None] | None = None) -> FeatureStore:
-        """Open the store in ``directory``, computing what is missing."""
+              progress: Callable[[int, int], None] | None = None,
+              quantized: tuple[str, Callable[[], torch.nn.Module]] | None = None) -> FeatureStore:
+        """Open the store in ``directory``, computing what is missing. ``quantized``:
+        ``(mode, load)`` where the target is served quantized; ``load()`` gives that model, whose
+        states the drafter will read (those of another quantization are computed again)."""
         directory.mkdir(parents=True, exist_ok=True)
         lengths = [min(len(s.token_ids), max_len) for s in samples]
         index = {"layers": sorted(layers), "dtype": dtype, "hidden": target.hidden_size, "target": target.name,
                  "lengths": lengths, "done": 0}
+        if quantized is not None:
+            index["quantization"] = quantized[0]
         path = directory / INDEX
         if path.exists():
             old = json.loads(path.read_text())
@@ -80,12 +85,13 @@ class FeatureStore:
         store.wanted = sorted(set(layers))
         done = index["done"]
         if done < len(samples):
-            store._compute(target, samples, done, batch_tokens, index, progress)
+            store._compute(target, samples, done, batch_tokens, index, progress,
+                           quantized[1] if quantized is not None else None)
         return store
 
     def _compute(self, target: TrainTarget, samples: list[Sample], done: int, batch_tokens: int, index: dict,
-                 progress) -> None:
-        model = copy.deepcopy(target.model).to(self.dtype)
+                 progress, load_quantized: Callable[[], torch.nn.Module] | None) -> None:
+        model = load_quantized() if load_quantized is not None else copy.deepcopy(target.model).to(self.dtype)
         files = {}
         for layer in self.layers:
             f = _layer_file(self.directory, layer).open("r+b" if done else "wb")

@@ -57,6 +57,7 @@ class TrainOptions:
     save_every: int = 100
     max_new_tokens: int = 160
     gen_dtype: str = "bfloat16"
+    quantization: str | None = None
     gen_batch_size: int = 24
     eval_prompts: int = 16
     max_samples: int | None = None
@@ -142,13 +143,30 @@ def load_target(opts: TrainOptions, device: torch.device) -> TrainTarget:
     return TrainTarget(model, load_tokenizer(path), model_display_name(opts.model, path), path)
 
 
+def served_engine(opts: TrainOptions) -> dict:
+    """Engine options of the target as it answers, is evaluated and gives features: quantized
+    by ``opts.quantization`` where given (the weights the drafter will be served beside)."""
+    return {"quantization": opts.quantization} if opts.quantization else {}
+
+
+def quantized_target(opts: TrainOptions, device: torch.device):
+    """``(mode, load)``: what loads the target quantized as served, for its features; None
+    where it is served unquantized."""
+    from ..models import load_weights, resolve_dtype
+
+    if not opts.quantization:
+        return None
+    return opts.quantization, lambda: load_weights(opts.model, opts.quantization, resolve_dtype(opts.gen_dtype),
+                                                   device)[0]
+
+
 def evaluate(opts: TrainOptions, trainer: MethodTrainer, items: list[dict]) -> dict:
     """Acceptance length of the saved drafter on the held-out prompts (greedy)."""
     from ..api import LLM
     from ..executor.metrics import RequestMetrics
     from ..sampling_params import SamplingParams
 
-    llm = LLM(model=opts.model, dtype=opts.gen_dtype, device=opts.device,
+    llm = LLM(model=opts.model, dtype=opts.gen_dtype, device=opts.device, engine=served_engine(opts),
               speculative_config=trainer.speculative_config(Path(opts.out)))
     outs = llm.generate([encode_prompt(llm, it) for it in items],
                         SamplingParams(max_tokens=opts.max_new_tokens, temperature=0.0))
@@ -194,7 +212,7 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
     gen = None
     if cached < len(train_items):
         gen = LLM(model=opts.model, dtype=opts.gen_dtype, device=opts.device,
-                  engine={"max_batch_size": opts.gen_batch_size, "max_num_tokens": 2048})
+                  engine={**served_engine(opts), "max_batch_size": opts.gen_batch_size, "max_num_tokens": 2048})
     bar = tqdm(total=len(train_items), initial=min(cached, len(train_items)), desc="target answers",
                unit="prompt", disable=not progress or gen is None)
     # chunks of several engine batches, so that few of the engine's rows idle at a chunk's end
@@ -209,7 +227,8 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
     if trainer.feature_layers():
         bar = tqdm(total=len(samples), desc="target features", unit="sample", disable=not progress)
         store = FeatureStore.build(out / "features", target, samples, trainer.feature_layers(), opts.max_seq_len,
-                                   opts.gen_dtype, progress=lambda done, total: bar.update(done - bar.n))
+                                   opts.gen_dtype, quantized=quantized_target(opts, device),
+                                   progress=lambda done, total: bar.update(done - bar.n))
         bar.close()
     if opts.init is not None and not (opts.resume and ckpt_path.exists()):
         trainer.start_from(None if opts.init == INIT_DEFAULT else opts.init)
@@ -277,7 +296,7 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
     trainer.save(out)
     train_seconds = time.perf_counter() - train_started
     report = {"method": dtype.name, "target": target.name, "data": str(opts.data), "samples": len(samples),
-              "init": opts.init,
+              "init": opts.init, "quantization": opts.quantization,
               "answer_tokens": sum(len(s.token_ids) - 1 - s.loss_start for s in samples),
               "steps": state["step"], "epochs_done": state["epoch"], "batch_size": opts.batch_size, "lr": opts.lr,
               "device": str(device), "threads": torch.get_num_threads(),
