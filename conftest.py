@@ -1,7 +1,6 @@
 """Options of the whole test suite (tests, plugins, examples)."""
 
 import contextlib
-import ctypes
 import gc
 import os
 
@@ -48,6 +47,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     yield
     if nextitem is not None and nextitem.module is item.module:
         return
+    from specdec.quantization import release_freed_memory
+
     gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # glibc only
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_freed_memory()

@@ -3,8 +3,9 @@
 Methods that learn from the target's features (EAGLE, Medusa, MTP) would otherwise run
 the whole target for every batch of every epoch; on a CPU that costs more than the
 drafter's own training. :class:`FeatureStore` runs the target once over all samples (in
-the dtype the drafter will be served with, so training sees the features inference
-sees) and writes each requested layer as one flat file of rows, sample after sample (a target served quantized, as quantized: ``quantized``)::
+the dtype the drafter will be served with, and quantized as served, so training sees the
+features inference sees) and writes each requested layer as one flat file of rows, sample
+after sample::
 
     OUT/features/index.json       layers, dtype, hidden size, tokens per sample, samples done
     OUT/features/layer_{L}.bin    [total tokens, hidden] raw rows (L = -1: final normalised)
@@ -67,8 +68,9 @@ class FeatureStore:
         lengths = [min(len(s.token_ids), max_len) for s in samples]
         index = {"layers": sorted(layers), "dtype": dtype, "hidden": target.hidden_size, "target": target.name,
                  "lengths": lengths, "done": 0}
-        if quantized is not None:
-            index["quantization"] = quantized[0]
+        mode, load_quantized = quantized if quantized is not None else (None, None)
+        if mode is not None:
+            index["quantization"] = mode
         path = directory / INDEX
         if path.exists():
             old = json.loads(path.read_text())
@@ -85,8 +87,7 @@ class FeatureStore:
         store.wanted = sorted(set(layers))
         done = index["done"]
         if done < len(samples):
-            store._compute(target, samples, done, batch_tokens, index, progress,
-                           quantized[1] if quantized is not None else None)
+            store._compute(target, samples, done, batch_tokens, index, progress, load_quantized)
         return store
 
     def _compute(self, target: TrainTarget, samples: list[Sample], done: int, batch_tokens: int, index: dict,
