@@ -109,3 +109,19 @@ def tiny_chat_model(directory) -> Path:
         if (source / name).exists():
             shutil.copy(source / name, path / name)
     return path
+
+
+def long_document_prompt(tokenizer, num_tokens: int) -> list[int]:
+    """A summarization request of exactly ``num_tokens`` tokens: an instruction, then the
+    project's own documentation (repeated as needed) as the text to summarize, cut to size,
+    in the model's chat template. What a RAG or summarization user sends."""
+    docs = sorted((Path(__file__).parents[1] / "docs").glob("*.md"))
+    text = "\n\n".join(p.read_text() for p in docs)
+    head = tokenizer.apply_chat_template([{"role": "user", "content": "Summarize this document:\n\n"}],
+                                         tokenize=False).split("Summarize")[0]
+    ids = tokenizer(head + "Summarize this document:\n\n", add_special_tokens=False).input_ids
+    body = tokenizer(text, add_special_tokens=False).input_ids
+    tail = tokenizer("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    need = num_tokens - len(ids) - len(tail)
+    body = (body * (need // len(body) + 1))[:need]
+    return ids + body + tail

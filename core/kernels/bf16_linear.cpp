@@ -91,11 +91,18 @@ inline void column_block(const float* x, int64_t m, const c10::BFloat16* w, int6
 }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_bf16: x and weight must be CPU tensors");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
-              "linear_bf16: weight must be a contiguous 2-D bfloat16 tensor");
+              "linear_bf16: weight must be a contiguous 2-D bfloat16 tensor, got ", weight.scalar_type(), " of shape ",
+              weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(k % LANES == 0, "linear_bf16: the input dimension must be a multiple of ", LANES);
-  TORCH_CHECK(x.size(-1) == k, "linear_bf16: x has ", x.size(-1), " features, the weight ", k);
+  TORCH_CHECK(k > 0 && k % LANES == 0, "linear_bf16: the input dimension ", k, " must be a positive multiple of ",
+              LANES);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "linear_bf16: x of shape ", x.sizes(), " against a weight of ", k,
+              " input features");
+  TORCH_CHECK(x.is_floating_point(), "linear_bf16: x must be a floating-point tensor, got ", x.scalar_type());
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->numel() == n, "linear_bf16: the bias has ", bias->numel(), " values for ", n, " outputs");
   std::vector<int64_t> out_shape = x.sizes().vec();
   out_shape.back() = n;
   at::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();

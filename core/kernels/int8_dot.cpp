@@ -107,10 +107,12 @@ void quantize_tensor(const at::Tensor& rows, Activations& act) {
     quantize_rows(rows.data_ptr<c10::BFloat16>(), rows.size(0), rows.size(1), act);
 }
 
+void check_input(const at::Tensor& x, const char* name);
+
 // x [T, K] -> codes [T, K] int8, scales [T, K/32] float, code sums [T, K/32] int32
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q8(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % BLOCK == 0, "quantize_q8: x must be 2-D with a multiple of ", BLOCK,
-              " columns");
+  check_input(x, "quantize_q8");
+  TORCH_CHECK(x.dim() == 2, "quantize_q8: x must be 2-D [tokens, features], got shape ", x.sizes());
   const at::Tensor rows = x.contiguous();
   Activations act;
   quantize_tensor(rows, act);
@@ -317,6 +319,7 @@ void tile_of(int64_t tt, const int8_t* a, const float* s, const typename Kind::A
 // fork and join
 constexpr int64_t TASK_WORK = 1 << 18;
 
+// (tokens and k are positive: linear() returns before calling it otherwise)
 template <typename Kind, typename Out>
 void run(const Activations& act, int64_t tokens, int64_t k, const uint8_t* packed, int64_t group_bytes,
          const char* scales, int64_t scale_bytes, const float* bias, Out* out, int64_t n) {
@@ -339,32 +342,46 @@ void run(const Activations& act, int64_t tokens, int64_t k, const uint8_t* packe
   });
 }
 
+// What every entry point checks before touching memory: a bad argument is a RuntimeError
+// naming the kernel and the shape, never a signal or a read out of bounds.
+void check_input(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, ": x must be a CPU tensor, got one on ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, name, ": x must have at least one dimension (its last one the input features)");
+  TORCH_CHECK(x.size(-1) > 0 && x.size(-1) % BLOCK == 0, name, ": x has ", x.size(-1),
+              " input features; the kernel takes a positive multiple of ", BLOCK, " (shape ", x.sizes(), ")");
+}
+
 template <typename Kind>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
                   const c10::optional<at::Tensor>& bias, int64_t group_bytes_per_column, const char* name) {
-  TORCH_CHECK(x.size(-1) % BLOCK == 0, name, ": the input dimension must be a multiple of ", BLOCK);
+  check_input(x, name);
   const int64_t k = x.size(-1);
+  TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu(), name, ": the weights must be CPU tensors");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
-                  packed.size(1) == GROUP * k * group_bytes_per_column / 2,
-              name, ": packed weights do not match an input of ", k, " columns");
+                  packed.size(0) > 0 && packed.size(1) == GROUP * k * group_bytes_per_column / 2,
+              name, ": packed weights of shape ", packed.sizes(), " do not match an input of ", k, " columns");
   TORCH_CHECK(scales.is_contiguous(), name, ": scales must be contiguous");
   const int64_t groups = packed.size(0);
   TORCH_CHECK(n <= groups * GROUP && n > (groups - 1) * GROUP, name, ": ", n, " outputs in ", groups, " groups of ",
               GROUP);
   std::vector<int64_t> out_shape = x.sizes().vec();
   out_shape.back() = n;
-  const at::Tensor rows = x.reshape({-1, k}).contiguous();
-  thread_local Activations act;
-  quantize_tensor(rows, act);
-  const int64_t tokens = rows.size(0);
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, name, ": the bias has ", bias->numel(), " values for ", n, " outputs");
+    TORCH_CHECK(bias->device().is_cpu() && bias->numel() == n, name, ": the bias has ", bias->numel(),
+                " values for ", n, " outputs");
     bias_f = bias->reshape({-1}).to(at::kFloat).contiguous();  // no copy for a float32 bias; a last,
                                                                  // partial group reads only its rows
   }
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const at::Tensor rows = x.reshape({-1, k}).contiguous();
+  const int64_t tokens = rows.size(0);
   at::Tensor out = at::empty({tokens, n}, rows.options());
+  if (tokens == 0) return out.view(out_shape);  // a step that keeps no logits: nothing to multiply
+  thread_local Activations act;
+  quantize_tensor(rows, act);
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const char* scp = static_cast<const char*>(scales.data_ptr());
   const int64_t scale_bytes = scales.numel() * scales.element_size() / groups;
   if (rows.scalar_type() == at::kFloat)
@@ -379,8 +396,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 // packed [groups, K/2 * 16] uint8, dm [groups, K/32 * 32] float16 (per block 16 d, 16 m)
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm, int64_t n,
                      const c10::optional<at::Tensor>& bias) {
+  check_input(x, "q4_linear");
   TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.numel() == packed.size(0) * x.size(-1) / BLOCK * 2 * GROUP,
-              "q4_linear: dm must hold float16 d and m per group and block");
+              "q4_linear: dm must hold float16 d and m per group and block, got ", dm.scalar_type(), " of shape ",
+              dm.sizes(), " for packed weights of shape ", packed.sizes());
   return linear<Q4>(x, packed, dm, n, bias, 1, "q4_linear");
 }
 
@@ -388,7 +407,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Te
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n,
                      const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == packed.size(0) * GROUP,
-              "q8_linear: scale must hold one float32 per row of every group");
+              "q8_linear: scale must hold one float32 per row of every group, got ", scale.scalar_type(),
+              " of shape ", scale.sizes(), " for packed weights of shape ", packed.sizes());
   return linear<Q8>(x, packed, scale, n, bias, 2, "q8_linear");
 }
 

@@ -123,7 +123,7 @@ def q8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int
 
 def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` ``[T, K]`` -> ``(codes [T, K] int8, scales [T, K/32] float32, code sums [T, K/32] int32)``."""
-    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    blocks = x.float().reshape(x.shape[0], x.shape[1] // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1)
     # a tensor divided by a tensor: ``127.0 / amax`` would multiply by amax's reciprocal,
     # rounding twice where the kernel divides once
@@ -135,9 +135,9 @@ def quantize_q8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 def _block_dots(codes: torch.Tensor, weight_codes: torch.Tensor) -> torch.Tensor:
     """Exact integer dot products ``[T, N, K/32]`` of every token's and row's blocks
     (float64 holds them exactly)."""
-    t, n = codes.shape[0], weight_codes.shape[0]
-    a = codes.double().view(t, 1, -1, BLOCK)
-    w = weight_codes.double().view(1, n, -1, BLOCK)
+    (t, k), n = codes.shape, weight_codes.shape[0]
+    a = codes.double().view(t, 1, k // BLOCK, BLOCK)
+    w = weight_codes.double().view(1, n, k // BLOCK, BLOCK)
     return (a * w).sum(-1)
 
 

@@ -262,17 +262,48 @@ at::Tensor invariant_attention(const at::Tensor& query, const at::Tensor& key_po
                                const at::Tensor& slots, const at::Tensor& key_pos, const at::Tensor& offset,
                                const at::Tensor& count, const at::Tensor& query_pos, double scale, double softcap,
                                int64_t window) {
-  // query [tokens, heads, dim] float32; pools [slots, kv_heads, dim] of one dtype, rows contiguous
-  TORCH_CHECK(query.scalar_type() == at::kFloat && query.is_contiguous(), "query: contiguous float32");
-  TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type(), "key and value pools of one dtype");
+  // query [tokens, heads, dim] float32; pools [slots, kv_heads, dim] of one dtype, rows contiguous;
+  // token t attends keys slots[offset[t] .. offset[t] + count[t]) at positions key_pos[same]
+  for (const at::Tensor* t : {&query, &key_pool, &value_pool, &slots, &key_pos, &offset, &count, &query_pos})
+    TORCH_CHECK(t->device().is_cpu(), "invariant_attention: every tensor must be on the CPU, got one on ",
+                t->device());
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
+              "invariant_attention: query must be a contiguous float32 [tokens, heads, dim], got ",
+              query.scalar_type(), " of shape ", query.sizes());
+  TORCH_CHECK(key_pool.dim() == 3 && value_pool.dim() == 3 && key_pool.size(0) == value_pool.size(0) &&
+                  key_pool.size(1) == value_pool.size(1),
+              "invariant_attention: key and value pools must be [slots, kv_heads, dim] alike, got ", key_pool.sizes(),
+              " and ", value_pool.sizes());
+  TORCH_CHECK(key_pool.scalar_type() == value_pool.scalar_type(), "invariant_attention: key and value pools of one "
+              "dtype, got ", key_pool.scalar_type(), " and ", value_pool.scalar_type());
   TORCH_CHECK(key_pool.stride(2) == 1 && key_pool.stride(1) == key_pool.size(2) && value_pool.stride(2) == 1 &&
-                  value_pool.stride(1) == value_pool.size(2), "pools: each slot's heads contiguous");
+                  value_pool.stride(1) == value_pool.size(2),
+              "invariant_attention: pools: each slot's heads contiguous");
   for (const at::Tensor* index : {&slots, &key_pos, &offset, &count, &query_pos})
-    TORCH_CHECK(index->scalar_type() == at::kLong && index->is_contiguous(), "indices: contiguous int64");
+    TORCH_CHECK(index->dim() == 1 && index->scalar_type() == at::kLong && index->is_contiguous(),
+                "invariant_attention: indices must be contiguous 1-D int64, got ", index->scalar_type(), " of shape ",
+                index->sizes());
   const int64_t tokens = query.size(0), heads = query.size(1), dim = query.size(2);
-  const int64_t kv_heads = key_pool.size(1), dim_v = value_pool.size(2);
-  TORCH_CHECK(heads % kv_heads == 0, "query heads a multiple of KV heads");
-  TORCH_CHECK(dim % LANES == 0 && dim_v % LANES == 0, "head dimensions a multiple of ", LANES);
+  const int64_t kv_heads = key_pool.size(1), dim_v = value_pool.size(2), num_slots = key_pool.size(0);
+  TORCH_CHECK(kv_heads > 0 && heads > 0 && heads % kv_heads == 0, "invariant_attention: ", heads,
+              " query heads are not a positive multiple of ", kv_heads, " KV heads");
+  TORCH_CHECK(key_pool.size(2) == dim, "invariant_attention: queries of dimension ", dim, " against keys of ",
+              key_pool.size(2));
+  TORCH_CHECK(dim > 0 && dim_v > 0 && dim % LANES == 0 && dim_v % LANES == 0, "invariant_attention: head "
+              "dimensions ", dim, " and ", dim_v, " must be positive multiples of ", LANES);
+  TORCH_CHECK(offset.size(0) == tokens && count.size(0) == tokens && query_pos.size(0) == tokens,
+              "invariant_attention: offset, count and query_pos need one entry per token (", tokens, "), got ",
+              offset.size(0), ", ", count.size(0), " and ", query_pos.size(0));
+  TORCH_CHECK(key_pos.size(0) == slots.size(0), "invariant_attention: ", slots.size(0), " slots but ",
+              key_pos.size(0), " key positions");
+  const int64_t *slot = slots.data_ptr<int64_t>(), *off = offset.data_ptr<int64_t>(), *cnt = count.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(cnt[t] > 0 && off[t] >= 0 && off[t] <= slots.size(0) - cnt[t], "invariant_attention: token ", t,
+                "'s key row [", off[t], ", ", off[t] + cnt[t], ") is empty or outside the ", slots.size(0),
+                " slots given");
+  for (int64_t j = 0; j < slots.size(0); ++j)
+    TORCH_CHECK(slot[j] >= 0 && slot[j] < num_slots, "invariant_attention: slot ", slot[j], " is outside the pool's ",
+                num_slots);
   at::Tensor out = at::empty({tokens, heads, dim_v}, key_pool.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_pool.scalar_type(), "invariant_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, double>) {
