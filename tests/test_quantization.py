@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+from helpers import long_document_prompt
 
 from specdec import LLM, SamplingParams, testing
 from specdec.errors import ConfigError, ModelLoadError
@@ -118,8 +119,12 @@ def test_embedded_int4_greedy_lossless_with_trained_drafters(smol_int4_bf16, met
 
 @pytest.fixture(scope="module")
 def smol_w4a8_plain():
+    """The check prompts and a 1,100-token summarization request (three prompt chunks)
+    batched, and the w4a8 target's plain answers."""
     llm = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "w4a8", "batch_invariant": True})
-    return llm.chat(testing.SHIPPED_CHECK_PROMPTS, testing.SHIPPED_CHECK_PARAMS)
+    prompts = [llm.apply_chat_template(c) for c in testing.SHIPPED_CHECK_PROMPTS]
+    prompts.insert(1, long_document_prompt(llm.get_tokenizer(), 1100))
+    return prompts, llm.generate(prompts, testing.SHIPPED_CHECK_PARAMS)
 
 
 @pytest.mark.parametrize("method", ["ngram", "lookahead", "draft_target", "medusa", "eagle", "eagle3", "mtp",
@@ -127,12 +132,14 @@ def smol_w4a8_plain():
 def test_embedded_w4a8_greedy_lossless_with_every_method(smol_w4a8_plain, method):
     """On the integer-dot kernels (8-bit activations, each token's quantized on its own)
     every method's output equals the w4a8 target's plain output, drafts accepted
-    (bfloat16, the batch-invariant attention, the forward compiled as by default)."""
+    (bfloat16, the batch-invariant attention, the forward compiled as by default), a long
+    prompt's chunks in the batch beside short requests."""
+    prompts, plain = smol_w4a8_plain
     spec = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "w4a8", "batch_invariant": True},
                speculative_config={"decoding_type": method, "adaptive": False})
     assert sum(isinstance(m, W4A8Linear) for m in spec.target.model.modules()) == 210 and spec.engine.compiled
-    got = spec.chat(testing.SHIPPED_CHECK_PROMPTS, testing.SHIPPED_CHECK_PARAMS)
-    for i, (a, b) in enumerate(zip(smol_w4a8_plain, got)):
+    got = spec.generate(prompts, testing.SHIPPED_CHECK_PARAMS)
+    for i, (a, b) in enumerate(zip(plain, got)):
         assert a.token_ids == b.token_ids, f"prompt {i} departs at {testing.first_divergence(a.token_ids, b.token_ids)}"
     assert sum(o.metrics.num_accepted_tokens for o in got) > 0
 
