@@ -32,6 +32,7 @@ from .parallel import ShardedTarget, TensorParallelGroup, check_divides, run_wor
 from .plugins import drafter_plugin_manager, get_registry
 from .sampling_params import SamplingParams
 from .target_model import TargetModel
+from .text_codec import TextCodec
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,9 @@ class LLM:
                                        self.group.device if self.group is not None else self.device)
         tok_path = resolve_model_dir(config.tokenizer) if config.tokenizer else path
         self.tokenizer = load_tokenizer(tok_path)
+        #: where the tokenizer was loaded from (a server's other process loads it from there)
+        self.tokenizer_path = str(tok_path) if self.tokenizer is not None else None
+        self.codec = TextCodec(self.tokenizer)
         name = model_display_name(config.model, path)
         if self.group is None:
             self.target = TargetModel(model_obj, self.tokenizer, name, max_model_len=config.engine.max_model_len,
@@ -174,28 +178,14 @@ class LLM:
         return self.tokenizer
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer: give prompts as lists of token ids")
-            return self.tokenizer(prompt).input_ids
-        try:
-            return [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise RequestError(f"a prompt is a string, a list of token ids, {{'prompt': str}} or "
-                               f"{{'prompt_token_ids': [int, ...]}}; got {prompt!r:.80}") from None
+        return self.codec.encode(prompt)
 
     def decode(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.codec.decode(token_ids)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation with the assistant's turn opened. A message's content may
-        be a string or OpenAI's list of content parts (its text parts joined by newlines, as
-        vLLM does); OpenAI's ``developer`` role is the template's ``system``."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("this model has no chat template; use generate() with a plain prompt")
-        messages = [_text_message(i, m) for i, m in enumerate(messages)]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        """Token ids of a conversation with the assistant's turn opened (:class:`TextCodec`)."""
+        return self.codec.apply_chat_template(messages)
 
     @staticmethod
     def _as_list(prompts) -> list:
@@ -281,23 +271,3 @@ def _unwrapped(prompt):
         (prompt,) = prompt.values()
     return prompt
 
-
-def _text_message(index: int, message) -> dict:
-    """One chat message as the templates expect it: {role, content} with string content."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-        raise RequestError(f"message {index}: expected {{'role': ..., 'content': ...}}, got {message!r}")
-    content = message["content"]
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"message {index}: content part {part!r} is not supported; specdec serves "
-                                   "text models: send {'type': 'text', 'text': ...} parts or a string")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    elif not isinstance(content, str):
-        raise RequestError(f"message {index}: content must be a string or a list of text parts, "
-                           f"got {type(content).__name__}")
-    role = "system" if message["role"] == "developer" else message["role"]
-    return {**message, "role": role, "content": content}

@@ -255,6 +255,8 @@ def _trainable_methods() -> str:
 
 
 def cmd_serve(args) -> int:
+    from .async_engine import AsyncEngine
+    from .parallel import launched_by_torchrun
     from .server import ServerOptions, serve
 
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
@@ -263,7 +265,12 @@ def cmd_serve(args) -> int:
     options = ServerOptions(api_key=api_key, protect_all=args.protect_all, max_body_bytes=args.max_body_bytes,
                             max_waiting=args.max_waiting, allowed_origins=tuple(args.allowed_origin),
                             request_timeout=args.request_timeout)
-    serve(_build_llm(_resolve_config(args)), host=args.host, port=args.port, options=options)
+    config = _resolve_config(args)
+    if launched_by_torchrun():  # this rank leads the group torchrun started: the engine stays in it
+        engine = AsyncEngine.start_thread(_build_llm(config))
+    else:
+        engine = AsyncEngine.start_process(config)
+    serve(engine, host=args.host, port=args.port, options=options)
     return 0
 
 

@@ -1,9 +1,12 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models,
 /health and Prometheus /metrics, on FastAPI + uvicorn.
 
-Concurrent clients share the engine's continuous batching (:mod:`specdec.async_engine`).
-A bad request gets 400/422 with a message and never touches other requests; a client that
-disconnects cancels its request, which frees its KV blocks.
+The server tokenizes, detokenizes, streams and answers HTTP; the engine runs in a process
+of its own (:mod:`specdec.async_engine`), so its steps never wait on this process's GIL,
+and a fault that kills it costs the requests in flight a 500, never the server: /health
+answers 503 until a new engine serves. Concurrent clients share the engine's continuous
+batching. A bad request gets 400/422 with a message and never touches other requests; a
+client that disconnects cancels its request, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from .api import LLM
-from .async_engine import AsyncEngine
-from .errors import SpecdecError
+from .async_engine import AsyncEngine, EngineBusy, EngineUnavailable
+from .errors import RequestError, SpecdecError
 from .executor.metrics import RequestMetrics
 from .openai_protocol import (
     ChatRequest,
@@ -37,122 +39,29 @@ from .openai_protocol import (
 )
 from .parallel import WorkerError
 from .sampling_params import SamplingParams
-
-
-class _EngineCollector:
-    """Speculation counters and engine gauges, read from the engine when /metrics is scraped
-    (the engine keeps them; finished requests, aborted ones included)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        engine, totals = self.engine, self.engine.totals
-        pool = engine.kv.pool
-        for name, doc, value in (("specdec_draft_tokens", "draft tokens proposed", totals.num_draft_tokens),
-                                 ("specdec_accepted_tokens", "draft tokens accepted", totals.num_accepted_tokens),
-                                 ("specdec_target_steps", "target forwards while decoding", totals.num_steps),
-                                 ("specdec_preemptions", "running requests preempted for KV room",
-                                  engine.scheduler.num_preemptions),
-                                 ("specdec_speculation_off_steps",
-                                  "decode steps the adaptive planner left without drafts (they would not pay)",
-                                  totals.num_steps_speculation_off)):
-            yield CounterMetricFamily(name, doc, value=value)
-        faults = CounterMetricFamily("specdec_drafter_faults", "steps whose drafts a failing drafter cost",
-                                     labels=["decoding_type"])
-        faults.add_metric([engine.spec.decoding_type if engine.spec else "none"], totals.num_drafter_faults)
-        yield faults
-        depths = CounterMetricFamily("specdec_draft_len_steps", "decode steps by the depth of the draft verified",
-                                     labels=["draft_len"])
-        for depth, steps in enumerate(totals.draft_len_counts):
-            depths.add_metric([str(depth)], steps)
-        yield depths
-        yield GaugeMetricFamily("specdec_acceptance_length", "mean tokens per target step, finished requests",
-                                value=totals.acceptance_length)
-        per_position = GaugeMetricFamily("specdec_per_position_acceptance", "acceptance rate by draft position",
-                                         labels=["position"])
-        for i, rate in enumerate(totals.per_position_acceptance):
-            per_position.add_metric([str(i + 1)], rate)
-        yield per_position
-        for name, doc, value in (("specdec_queue_depth", "requests waiting", len(engine.scheduler.waiting)),
-                                 ("specdec_running_requests", "requests running", len(engine.scheduler.running)),
-                                 ("specdec_kv_cache_usage", "share of KV blocks in use", pool.usage()),
-                                 ("specdec_kv_cache_blocks", "KV blocks in the pool", pool.num_blocks)):
-            yield GaugeMetricFamily(name, doc, value=value)
-        graphs = engine.cuda_graphs
-        if graphs is not None:
-            steps = CounterMetricFamily("specdec_cuda_graph_steps", "target forwards replayed from a CUDA graph, or "
-                                        "run eagerly where no graph's bucket held the step", labels=["path"])
-            steps.add_metric(["replayed"], graphs.replays)
-            steps.add_metric(["eager"], graphs.eager_steps)
-            yield steps
-            yield GaugeMetricFamily("specdec_cuda_graphs", "CUDA graphs captured", value=graphs.num_graphs)
-
-
-class ServerMetrics:
-    """/metrics through prometheus_client: requests by outcome, tokens, histograms of each
-    request's acceptance length, time to first token and time per output token, and the
-    engine's speculation counters and gauges (:class:`_EngineCollector`)."""
-
-    def __init__(self, engine):
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-
-        self.registry = CollectorRegistry()
-        self.requests = Counter("specdec_requests", "requests by outcome", ["outcome"], registry=self.registry)
-        for outcome in ("ok", "error", "aborted"):
-            self.requests.labels(outcome)
-        self.prompt_tokens = Counter("specdec_prompt_tokens", "prompt tokens", registry=self.registry)
-        self.generation_tokens = Counter("specdec_generation_tokens", "generated tokens", registry=self.registry)
-        self.acceptance = Histogram("specdec_request_acceptance_length", "tokens per target step, per request",
-                                    buckets=(1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0),
-                                    registry=self.registry)
-        self.ttft = Histogram("specdec_time_to_first_token_seconds", "time to first token", registry=self.registry)
-        self.tpot = Histogram("specdec_time_per_output_token_seconds", "time per output token after the first",
-                              buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0),
-                              registry=self.registry)
-        self.registry.register(_EngineCollector(engine))
-
-    def finish(self, metrics: RequestMetrics, completion_tokens: int, outcome: str) -> None:
-        self.requests.labels(outcome).inc()
-        self.prompt_tokens.inc(metrics.num_prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
-        if outcome != "ok":
-            return
-        if metrics.num_steps:
-            self.acceptance.observe(metrics.acceptance_length)
-        if metrics.time_to_first_token is not None:
-            self.ttft.observe(metrics.time_to_first_token)
-        if completion_tokens > 1 and metrics.finish_time and metrics.first_token_time:
-            self.tpot.observe((metrics.finish_time - metrics.first_token_time) / (completion_tokens - 1))
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
+from .server_metrics import ServerMetrics
 
 
 async def _merged(streams: list):
-    """(choice index, request, update) from several requests' update streams as they come;
+    """(choice index, update) from several requests' update streams as they come;
     closing it cancels the streams, which aborts their unfinished requests."""
     arrivals: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):
         try:
-            async for req, update in stream:
-                arrivals.put_nowait((i, req, update))
+            async for update in stream:
+                arrivals.put_nowait((i, update))
         except Exception as exc:  # noqa: BLE001 - raised again to the consumer
-            arrivals.put_nowait((i, None, exc))
+            arrivals.put_nowait((i, exc))
 
     tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:
         left = len(streams)
         while left:
-            i, req, update = await arrivals.get()
+            i, update = await arrivals.get()
             if isinstance(update, Exception):
                 raise update
-            yield i, req, update
+            yield i, update
             left -= update.finished
     finally:
         for task in tasks:
@@ -227,20 +136,22 @@ API_ERRORS = {
     422: _error_schema("the body is not a valid request: the message names each field at fault"),
     429: _error_schema("more requests are waiting than --max-waiting allows: retry later"),
     499: _error_schema("the client disconnected before the answer was ready"),
-    500: _error_schema("a request failed in the engine"),
-    503: _error_schema("a tensor-parallel worker is gone: the engine cannot serve until it is restarted"),
+    500: _error_schema("a request failed in the engine, or the engine process died while it ran"),
+    503: _error_schema("the engine cannot serve now: it is restarting after a fault, or a tensor-parallel "
+                       "worker is gone"),
     504: _error_schema("the request ran past --request-timeout and was aborted"),
 }
 
 
-def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
+def create_app(engine, options: ServerOptions | None = None) -> FastAPI:
+    """The app serving ``engine``: an :class:`AsyncEngine`, or an ``LLM`` of this process
+    (run on a thread: tests, notebooks). The app shuts the engine down when it stops."""
+    if not isinstance(engine, AsyncEngine):
+        engine = AsyncEngine.start_thread(engine)
     options = options or ServerOptions()
-    engine = AsyncEngine(llm)
-    stats = ServerMetrics(llm.engine)
-    model_name = llm.target.name
-
-    def token_text(ids: list[int]) -> str:
-        return llm.tokenizer.decode(ids) if llm.tokenizer is not None else str(ids[0])
+    info, codec = engine.info, engine.codec
+    stats = ServerMetrics()
+    model_name = info.model_name
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -274,7 +185,10 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
 
     @app.exception_handler(SpecdecError)
     async def specdec_error(_request, exc: SpecdecError):
-        return _error_response(503 if isinstance(exc, WorkerError) else 400, str(exc))
+        """The caller's input: 400; an engine that cannot serve now: 503; a fault: 500."""
+        status = (503 if isinstance(exc, (WorkerError, EngineUnavailable)) else
+                  400 if isinstance(exc, RequestError) or type(exc) is not SpecdecError else 500)
+        return _error_response(status, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request, exc: RequestValidationError):
@@ -296,36 +210,42 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
 
     @app.get("/health", responses={**open_errors, 503: API_ERRORS[503]})
     async def health():
+        """``ok`` with the engine's configuration as it resolved it (the library's own
+        resolution: quantization, compile, batch invariance, threads), or 503 saying why not."""
         try:
-            llm.engine.target.check_healthy()
-        except WorkerError as exc:
+            await engine.call("health")
+        except (WorkerError, EngineUnavailable) as exc:
             return _error_response(503, str(exc), "unhealthy")
-        return {"status": "ok"}
+        return {"status": "ok", "engine": info.resolved, "engine_restarts": engine.restarts}
 
     @app.get("/v1/models", responses={401: API_ERRORS[401]})
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "specdec",
-                                            "created": 0}]}
+                                            "created": 0, "max_model_len": info.max_model_len}]}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus's text exposition format", "content": {"text/plain": {}}}, **open_errors})
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(stats.render(), media_type=CONTENT_TYPE_LATEST)
-
-    in_flight = 0  # requests submitted and not finished (the event loop's own count: no race with the engine)
-
-    async def _counted(updates, count: int):
-        """``updates``, with their ``count`` requests counted in flight until they end."""
-        nonlocal in_flight
-        in_flight += count
         try:
-            async for update in updates:
-                yield update
-        finally:
-            in_flight -= count
-            await updates.aclose()
+            engine_stats = await engine.call("stats")
+        except SpecdecError:  # restarting: the server's own counters still answer
+            engine_stats = None
+        return Response(stats.render(engine_stats, engine.restarts), media_type=CONTENT_TYPE_LATEST)
+
+    def check_lengths(prompts: list[list[int]], max_tokens: int | None) -> None:
+        """A prompt the context cannot hold, or an explicit ``max_tokens`` past what it
+        leaves, is refused naming the lengths (a default ``max_tokens`` is capped instead)."""
+        for ids in prompts:
+            room = info.max_model_len - len(ids)
+            if room < 1:
+                raise RequestError(f"the prompt has {len(ids)} tokens but the model's context holds "
+                                   f"{info.max_model_len} (prompt + at least one generated token); shorten it")
+            if max_tokens is not None and max_tokens > room:
+                raise RequestError(f"max_tokens is {max_tokens} but the prompt has {len(ids)} tokens and the "
+                                   f"model's context holds {info.max_model_len}: at most {room} can be generated; "
+                                   "lower max_tokens or shorten the prompt")
 
     async def run(http: HTTPRequest, prompts: list[list[int]], params: SamplingParams, n: int, chat: bool,
                   stream: bool, echoes: list[str | list[int]] | None = None):
@@ -337,25 +257,22 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         items = [(ids, nth_sample(params, j)) for ids in prompts for j in range(n)]
-        for ids, item_params in items:  # all first: a bad prompt is a 400 before any is queued
-            llm.engine.check_request(ids, item_params)
         if echoes is not None:
-            echoes = [p if isinstance(p, str) else llm.decode(ids) for p, ids in zip(echoes, prompts)]
-        waiting = max(0, in_flight - llm.config.engine.max_batch_size)
-        if waiting + len(items) > options.max_waiting:
-            return _error_response(429, f"{waiting} requests are waiting and this one adds {len(items)}; the server "
-                                        f"queues at most {options.max_waiting} (specdec serve --max-waiting): "
-                                        "retry later")
-        updates = _within(_counted(_merged([engine.generate(ids, item_params) for ids, item_params in items]),
-                                   len(items)), options.request_timeout)
-        finals: dict[int, tuple] = {}  # choice index -> (request, its latest update)
+            echoes = [p if isinstance(p, str) else codec.decode(ids) for p, ids in zip(echoes, prompts)]
+        try:  # all or none: a bad prompt is a 400 before any is queued
+            handles = await engine.submit(items, max_waiting=options.max_waiting)
+        except EngineBusy as exc:
+            return _error_response(429, f"{exc} (specdec serve --max-waiting)")
+        updates = _within(_merged([engine.updates(h) for h in handles]), options.request_timeout)
+        finals: dict[int, tuple] = {}  # choice index -> (request handle, its latest update)
         logprobs: list[list] = [[] for _ in items]  # per choice, its tokens' logprobs not yet sent
         echoed = [echoes[i // n] if echoes else "" for i in range(len(items))]
 
-        def add_update(i, req, update):
-            if i not in finals and params.prompt_logprobs is not None:  # the prompt is scored once it has run
-                logprobs[i] += [{req.token_ids[0]: None}, *req.prompt_logprobs]
-            finals[i] = (req, update)
+        def add_update(i, update):
+            if i not in finals and params.prompt_logprobs is not None:  # nothing predicts the first token
+                logprobs[i].append({handles[i].first_token: None})
+            finals[i] = (handles[i], update)
+            logprobs[i] += update.new_prompt_logprobs
             logprobs[i] += update.new_logprobs
 
         def take_logprobs(i, offset=0):
@@ -363,7 +280,7 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
             if params.logprobs is None:
                 return None
             sent, logprobs[i] = logprobs[i], []
-            return logprobs_json(sent, params.logprobs, chat, token_text, offset)
+            return logprobs_json(sent, params.logprobs, chat, codec.token_text, offset)
 
         def finish(update, outcome="ok"):
             stats.finish(update.metrics or RequestMetrics(), update.num_output_tokens, outcome)
@@ -377,8 +294,8 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
                      "(specdec serve --request-timeout); ask for fewer tokens")
         if not stream:
             try:
-                async for i, req, update in updates:
-                    add_update(i, req, update)
+                async for i, update in updates:
+                    add_update(i, update)
                     if update.finished:
                         finish(update, "error" if update.error else "ok")
                     elif await http.is_disconnected():
@@ -413,16 +330,21 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
                 for i in range(len(items)):
                     yield chunk(i, {"role": "assistant", "content": ""}, None)
             try:
-                async for i, req, update in updates:
-                    add_update(i, req, update)
+                async for i, update in updates:
+                    add_update(i, update)
                     text = echoed[i] + update.text
                     if len(text) > len(shown[i]) and not text.endswith("\ufffd"):
                         sent = take_logprobs(i, offsets[i])
                         offsets[i] += sum(len(t) for t in sent["tokens"]) if sent and not chat else 0
                         yield chunk(i, text[len(shown[i]):], None, logprobs=sent)
                         shown[i] = text
+                    if update.finished and update.error:  # the stream ends with the error, in OpenAI's shape
+                        finish(update, "error")
+                        error_type = "invalid_request_error" if update.bad_request else "server_error"
+                        yield f"data: {json.dumps({'error': {'message': update.error, 'type': error_type}})}\n\n"
+                        return
                     if update.finished:
-                        finish(update, "error" if update.error else "ok")
+                        finish(update, "ok")
                         last = len(finals) == len(items) and all(u.finished for _, u in finals.values())
                         usage = usage_json([finals[j] for j in range(len(items))], n) if last else None
                         yield chunk(i, "", update.finish_reason, usage,
@@ -440,19 +362,22 @@ def create_app(llm: LLM, options: ServerOptions | None = None) -> FastAPI:
 
     @app.post("/v1/completions", responses=API_ERRORS)
     async def completions(body: CompletionRequest, http: HTTPRequest):
-        prompts = [llm.encode(prompt) for prompt in body.prompts()]
-        return await run(http, prompts, sampling_params_of(body, llm.config.sampling), body.n, False, body.stream,
+        prompts = [codec.encode(prompt) for prompt in body.prompts()]
+        check_lengths(prompts, body.max_tokens)
+        return await run(http, prompts, sampling_params_of(body, info.sampling), body.n, False, body.stream,
                          body.prompts() if body.echo else None)
 
     @app.post("/v1/chat/completions", responses=API_ERRORS)
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
-        ids = llm.apply_chat_template([m.model_dump() for m in body.messages])
-        return await run(http, [ids], sampling_params_of(body, llm.config.sampling), body.n, True, body.stream)
+        ids = codec.apply_chat_template([m.model_dump() for m in body.messages])
+        check_lengths([ids], body.max_tokens)
+        return await run(http, [ids], sampling_params_of(body, info.sampling), body.n, True, body.stream)
 
     return app
 
 
-def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions | None = None) -> None:
+def serve(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000,
+          options: ServerOptions | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(llm, options), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(engine, options), host=host, port=port, log_level="info")

@@ -56,7 +56,8 @@ def test_cuda_graphs_beside_compile_or_invariant_mode_or_on_a_cpu_are_errors(tin
 def test_steps_no_graph_holds_run_eagerly_and_show_in_metrics(tiny_models):
     """Where the paged attention is not the Triton kernel (here, a CPU), every step runs
     the eager forward and is counted so in /metrics; output is the eager engine's."""
-    from specdec.server import ServerMetrics
+    from specdec.async_engine import engine_stats
+    from specdec.server_metrics import ServerMetrics
 
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     want = LLM(model=str(tiny_models["llama"]), dtype="float32", device="cpu").generate([[5, 6, 7]], params)
@@ -66,7 +67,7 @@ def test_steps_no_graph_holds_run_eagerly_and_show_in_metrics(tiny_models):
     got = llm.generate([[5, 6, 7]], params)
     assert got[0].token_ids == want[0].token_ids
     assert engine.cuda_graphs.eager_steps == got[0].metrics.num_steps + 1 > 1  # the prompt's step, then decodes
-    exposed = ServerMetrics(engine).render().decode()
+    exposed = ServerMetrics().render(engine_stats(engine), 0).decode()
     assert f'specdec_cuda_graph_steps_total{{path="eager"}} {float(engine.cuda_graphs.eager_steps)}' in exposed
     assert 'specdec_cuda_graph_steps_total{path="replayed"} 0.0' in exposed
     assert "specdec_cuda_graphs 0.0" in exposed

@@ -454,9 +454,10 @@ def test_drafter_faults_cost_drafts_never_output_and_are_counted(tiny_models, fa
 
 
 def test_drafter_faults_show_in_stats_metrics_and_bench(tiny_models, capsys):
+    from specdec.async_engine import engine_stats
     from specdec.bench import CategoryResult
     from specdec.cli import _print_stats
-    from specdec.server import ServerMetrics
+    from specdec.server_metrics import ServerMetrics
 
     model = str(tiny_models["llama"])
     llm = LLM(model=model, dtype="float32", speculative_config={
@@ -467,7 +468,7 @@ def test_drafter_faults_show_in_stats_metrics_and_bench(tiny_models, capsys):
     assert steps >= outs[0].metrics.num_steps - 1 > 0
     _print_stats(outs, 1.0)
     assert f"drafter faults {steps}" in capsys.readouterr().err
-    exposed = ServerMetrics(llm.engine).render().decode()
+    exposed = ServerMetrics().render(engine_stats(llm.engine), 0).decode()
     assert f'specdec_drafter_faults_total{{decoding_type="user"}} {float(steps)}' in exposed
     result = CategoryResult(metrics=outs[0].metrics)
     assert result.summary()["drafter_faults"] == steps

@@ -49,9 +49,11 @@ def test_the_server_under_tensor_parallelism_answers_and_reports_a_dead_worker(t
         text = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Say hi."}],
                                               max_tokens=8, temperature=0).choices[0].message.content
         assert text and stream_chat(client, "Say hi.", max_tokens=8, temperature=0) == text
+        port = base.rsplit(":", 1)[1]
         server = next(p for p in child_processes(os.getpid())
-                      if "serve" in Path(f"/proc/{p}/cmdline").read_text())
-        workers = child_processes(server)
+                      if f"--port\0{port}\0" in Path(f"/proc/{p}/cmdline").read_text())
+        (engine,) = [p for p in child_processes(server) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        workers = child_processes(engine)  # the engine process leads the group
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + 30

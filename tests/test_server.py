@@ -1,14 +1,18 @@
 """`specdec serve`: a real server on a loopback port, driven over HTTP."""
 
 import json
+import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
+from helpers import child_processes
 
-from specdec import SamplingParams, testing
+from specdec import LLM, SamplingParams, testing
 from specdec.testing import running_server, stream_chat
 
 PROMPTS = [f"Here is a list of {i + 2} fruits:\n1." for i in range(16)]
@@ -33,9 +37,65 @@ def metrics(base) -> dict:
 
 
 def test_models_and_health(server):
-    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{server}/health").json()
+    assert health["status"] == "ok" and health["engine"]["decoding_type"] == "ngram"
+    assert health["engine"]["dtype"] == "float32" and health["engine_restarts"] == 0
     data = httpx.get(f"{server}/v1/models").json()
-    assert data["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    assert data["data"][0]["id"] == "SmolLM2-135M-Instruct" and data["data"][0]["max_model_len"] == 8192
+
+
+def test_the_server_resolves_its_engine_as_llm_does(tmp_path, smol):
+    """`specdec serve` with no options runs the engine ``LLM()`` builds with none: the same
+    quantization, compile, batch invariance, threads and dtype (its /health says which)."""
+    from specdec.async_engine import engine_info
+
+    default = engine_info(LLM(engine={"compile": False}))
+    with running_server("engine: {compile: false}\n", tmp_path) as base:
+        served = httpx.get(f"{base}/health").json()["engine"]
+    assert served == default.resolved and served["quantization"] == "w4a8"
+
+
+def test_a_killed_engine_process_fails_its_requests_and_a_new_one_serves(tmp_path, smol):
+    """SIGKILL to the engine process with requests in flight: streamed and whole requests end
+    with errors in OpenAI's shape naming the cause, the server answers /health with 503
+    while a new engine starts, then serves the openai client the same answers as before."""
+    from openai import OpenAI
+
+    with running_server("dtype: float32\nengine: {compile: false}\nsampling: {temperature: 0}\n", tmp_path) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Name three primary colors."}]
+        expected = smol.chat(messages, SamplingParams(max_tokens=12, temperature=0.0))[0].text
+        assert client.chat.completions.create(model="any", messages=messages, max_tokens=12).choices[0] \
+            .message.content == expected
+        port = base.rsplit(":", 1)[1]
+        server = next(p for p in child_processes(os.getpid())
+                      if f"--port\0{port}\0" in Path(f"/proc/{p}/cmdline").read_text())
+        (engine,) = [p for p in child_processes(server) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        long = {"prompt": "Count to a thousand:", "max_tokens": 2000, "min_tokens": 2000}
+        with ThreadPoolExecutor(2) as pool:
+            whole = pool.submit(httpx.post, f"{base}/v1/completions", json=long, timeout=120)
+            with httpx.stream("POST", f"{base}/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+                lines = r.iter_lines()
+                while not next(lines).startswith("data: {"):
+                    pass
+                os.kill(engine, signal.SIGKILL)
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert rest and rest[-1] != "data: [DONE]"
+            error = json.loads(rest[-1][6:])["error"]
+            assert error["type"] == "server_error" and "SIGKILL" in error["message"]
+            assert whole.result().status_code == 500 and "SIGKILL" in whole.result().json()["error"]["message"]
+        codes = set()
+        deadline = time.monotonic() + 300
+        while (status := httpx.get(f"{base}/health", timeout=30).status_code) != 200:
+            codes.add(status)
+            assert time.monotonic() < deadline, "no new engine within 300 s"
+            time.sleep(0.2)
+        assert codes <= {503}
+        health = httpx.get(f"{base}/health").json()
+        assert health["engine_restarts"] == 1
+        assert client.chat.completions.create(model="any", messages=messages, max_tokens=12).choices[0] \
+            .message.content == expected
+        assert metrics(base)["specdec_engine_restarts_total"] == 1
 
 
 def test_completion_equals_offline_generate(server, smol):

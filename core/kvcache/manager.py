@@ -21,6 +21,9 @@ class KVCacheManager:
         self.cache = cache
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        #: prompt tokens looked up in the prefix cache, and those found there (its hit rate)
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -41,6 +44,8 @@ class KVCacheManager:
         blocks = self.pool.match_prefix(seq.token_ids, len(seq.token_ids) - 1)
         seq.block_table = blocks
         seq.num_computed = len(blocks) * self.block_size
+        self.prefix_queried_tokens += len(seq.token_ids)
+        self.prefix_hit_tokens += seq.num_computed
         return seq.num_computed
 
     def reserve(self, seq, num_new_tokens: int) -> None:
