@@ -4,8 +4,10 @@ Every method runs the same prompts (built-in sets by category, or the user's JSO
 same settings; plain decoding always runs too, so each speedup is a ratio taken in the
 same run. Optionally Hugging Face ``generate()`` runs as well (plain, prompt lookup, and a
 layer-skip self-draft as assistant model), and llama.cpp on the GGUF file the target came
-from (plain, and its prompt-lookup drafting). Every system's token ids are compared with
-specdec plain decoding's ("same"). Results: a terminal table, JSON, PNG plots.
+from: its Python bindings (plain, and their prompt-lookup drafting), or native
+``llama-server`` (plain, and its own n-gram speculation) with ``llama-bench``'s figures.
+Every system's token ids are compared with specdec plain decoding's ("same"). Results: a
+terminal table, JSON, PNG plots.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import gc
 import json
 import sys
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
@@ -25,6 +29,7 @@ from .config import SpecdecConfig
 from .config_loading import config_from_dict, load_config, unstructure
 from .executor.metrics import RequestMetrics
 from .llama_cpp_baseline import LlamaCppWorker, require_bindings
+from .llama_cpp_native import LlamaServer, find_binaries, llama_bench
 from .models import gguf_file
 from .prompt_sets import PROMPTS, load_jsonl, messages
 from .sampling_params import SamplingParams
@@ -148,8 +153,12 @@ def hf_systems(llm: LLM, max_tokens: int, assistant_layers: int) -> dict:
             f"HF assistant ({assistant_layers} layers)": system(assistant_model=assistant)}
 
 
-#: llama.cpp's plain decoding in a report: with it in the run, every system's ratio to it
+#: the bindings' plain decoding in a report
 LLAMA_CPP_PLAIN = "llama.cpp"
+#: llama-server's systems: its plain decoding and its own speculation types
+LLAMA_SERVER_SYSTEMS = {"llama-server": (), "llama-server ngram-mod": ("--spec-type", "ngram-mod"),
+                        "llama-server ngram-map-k": ("--spec-type", "ngram-map-k"),
+                        "llama-server ngram-cache": ("--spec-type", "ngram-cache")}
 
 
 def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int, batch_size: int = 1) -> dict:
@@ -172,17 +181,50 @@ def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int, batch_size: int = 1
     return {LLAMA_CPP_PLAIN: system("plain"), "llama.cpp prompt lookup": system("prompt lookup")}
 
 
+def llama_cpp_native_systems(llm: LLM, gguf: Path, max_tokens: int, batch_size: int = 1,
+                             bin_dir: str | None = None) -> tuple[dict, dict]:
+    """Native llama.cpp on ``gguf`` (:mod:`specdec.llama_cpp_native`), as many threads as
+    torch: a ``llama-server`` per system of :data:`LLAMA_SERVER_SYSTEMS` with ``batch_size``
+    parallel slots, each request timed at the client (a batch's requests sent together),
+    and ``llama-bench``'s prefill and decode figures. The servers stop with the process."""
+    found = find_binaries(bin_dir)
+    threads = torch.get_num_threads()
+    figures = llama_bench(found, gguf, threads)
+    eos = llm.target.eos_token_ids
+    n_ctx = min(llm.target.max_model_len, 4096)
+    systems = {}
+    for name, extra in LLAMA_SERVER_SYSTEMS.items():
+        server = LlamaServer(found, gguf, threads, n_ctx, batch_size, extra)
+        weakref.finalize(server, server.close)
+
+        def run(conversations: list, res: CategoryResult, server=server) -> None:
+            prompts = [llm.apply_chat_template(conv) for conv in conversations]
+            started = time.perf_counter()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outputs = list(pool.map(lambda ids: server.complete(ids, max_tokens), prompts))
+            res.seconds += time.perf_counter() - started
+            outputs = [out[:-1] if out and out[-1] in eos else out for out in outputs]
+            res.outputs = (res.outputs if res.outputs is not None else []) + outputs
+            res.tokens += sum(map(len, outputs))
+        systems[name] = run
+    return systems, figures
+
+
+def is_llama_cpp(name: str) -> bool:
+    return name.startswith(("llama.cpp", "llama-server"))
+
+
 def llama_cpp_headline(report: dict) -> str | None:
     """With llama.cpp in the run: the fastest specdec system over all categories against
-    llama.cpp's plain decoding (None without llama.cpp)."""
-    results = report["results"]
-    if LLAMA_CPP_PLAIN not in results:
+    the fastest llama.cpp configuration (None without llama.cpp)."""
+    results, theirs = report["results"], report.get("llama_cpp_best")
+    if theirs is None:
         return None
-    ours = {name: r["all"] for name, r in results.items() if not name.startswith("llama.cpp") and "all" in r}
+    ours = {name: r["all"] for name, r in results.items() if not is_llama_cpp(name) and "all" in r}
     best = max(ours, key=lambda name: ours[name]["tokens_per_s"])
     return (f"headline: {best} {ours[best]['tokens_per_s']:.1f} tok/s = "
-            f"{ours[best]['speedup_vs_llama_cpp']:.2f}x llama.cpp's plain decoding "
-            f"({results[LLAMA_CPP_PLAIN]['all']['tokens_per_s']:.1f} tok/s) over all categories")
+            f"{ours[best]['speedup_vs_llama_cpp']:.2f}x {theirs} ({results[theirs]['all']['tokens_per_s']:.1f} "
+            "tok/s), the fastest llama.cpp configuration in the run, over all categories")
 
 
 def print_table(report: dict, file=sys.stdout) -> None:
@@ -217,6 +259,11 @@ def print_table(report: dict, file=sys.stdout) -> None:
                   f"{r.get('acceptance_length', 0):>8.2f}{100 * r.get('draft_time_share', 0):>7.1f}%"
                   f"{r.get('mean_draft_len', 0):>6.1f}{100 * r.get('speculation_off_share', 0):>5.0f}%"
                   f"{r.get('drafter_faults', 0):>7}{r.get('identical_to_plain') or '-':>7}  {pos}", file=file)
+    bench_figures = report.get("llama_bench")
+    if bench_figures:
+        print("llama-bench (native, same GGUF and threads): " + ", ".join(
+            f"{kind} {f['tokens']} tokens {f['tokens_per_s']:.1f} +- {f['stddev']:.1f} tok/s"
+            for kind, f in bench_figures.items()), file=file)
     if report.get("json_schema"):
         costs = ", ".join(f"{method} {per_cat['all'].get('grammar_ms_per_step', 0):.2f}"
                           for method, per_cat in report["results"].items())
@@ -285,7 +332,10 @@ def _with_all(per_cat: dict[str, CategoryResult]) -> dict[str, CategoryResult]:
 
 def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, categories: list[str] | None,
               batch_size: int, temperature: float, max_tokens: int, repetitions: int, compare_hf: bool,
-              assistant_layers: int = 6, compare_llama_cpp: bool = False, json_schema: dict | None = None) -> dict:
+              assistant_layers: int = 6, compare_llama_cpp: str | None = None, json_schema: dict | None = None,
+              llama_cpp_bin: str | None = None) -> dict:
+    """``compare_llama_cpp``: ``bindings`` (llama-cpp-python) or ``native`` (llama-server and
+    llama-bench, built once if needed, with the bindings too where installed)."""
     prompt_sets = load_jsonl(dataset) if dataset else {c: messages(c) for c in PROMPTS}
     if categories:
         unknown = sorted(set(categories) - set(prompt_sets))
@@ -318,7 +368,17 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
 
     llms = fresh_llms()
     systems = hf_systems(llms["plain"], max_tokens, assistant_layers) if compare_hf else {}
-    if compare_llama_cpp:
+    bench_figures = None
+    if compare_llama_cpp == "native":
+        native, bench_figures = llama_cpp_native_systems(llms["plain"], gguf, max_tokens, batch_size, llama_cpp_bin)
+        systems.update(native)
+        try:
+            require_bindings()
+        except ValueError:
+            pass  # the bindings are one more row where installed
+        else:
+            systems.update(llama_cpp_systems(llms["plain"], gguf, max_tokens, batch_size))
+    elif compare_llama_cpp:
         systems.update(llama_cpp_systems(llms["plain"], gguf, max_tokens, batch_size))
     labels = list(llms) + list(systems)
     raw: dict[str, dict[str, CategoryResult]] = {name: {c: CategoryResult() for c in prompt_sets} for name in labels}
@@ -362,6 +422,8 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             if r.outputs is not None:
                 r.identical = sum(a == b for a, b in zip(r.outputs, raw["plain"][cat].outputs))
     raw = {name: _with_all(per_cat) for name, per_cat in raw.items()}
+    llama_cpp_best = max((name for name in raw if is_llama_cpp(name)), default=None,
+                         key=lambda name: raw[name]["all"].tokens_per_s)
     results = {}
     for name, per_cat in raw.items():
         results[name] = {}
@@ -372,8 +434,8 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             # the spread of a ratio over repetitions is the run's own measure of its noise
             s["speedup_by_repetition"] = [mine / theirs if theirs else 0.0 for mine, theirs in zip(
                 s["tokens_per_s_by_repetition"], raw["plain"][cat].tokens_per_s_by_repetition)]
-            if LLAMA_CPP_PLAIN in raw:  # the CPU user's alternative: the ratio that matters most there
-                theirs = raw[LLAMA_CPP_PLAIN][cat].tokens_per_s
+            if llama_cpp_best is not None:  # the CPU user's alternative: the ratio that matters most there
+                theirs = raw[llama_cpp_best][cat].tokens_per_s
                 s["speedup_vs_llama_cpp"] = s["tokens_per_s"] / theirs if theirs else 0.0
             results[name][cat] = s
     plain = llms["plain"]
@@ -382,7 +444,8 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             "batch_size": batch_size,
             "temperature": temperature, "max_tokens": max_tokens, "repetitions": repetitions,
             "json_schema": json_schema is not None,
-            "categories": list(prompt_sets), "results": results,
+            "categories": list(prompt_sets), "results": results, "llama_cpp_best": llama_cpp_best,
+            "llama_bench": bench_figures,
             "batch_invariant": {label: llm.engine.batch_invariant for label, llm in llms.items()}}
 
 

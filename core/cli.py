@@ -200,7 +200,7 @@ def cmd_bench(args) -> int:
         report = run_bench(_resolve_config(args), args.methods, args.dataset, args.categories, args.batch_size,
                            args.temperature if args.temperature is not None else 0.0, args.max_tokens or 128,
                            args.repetitions, args.hf, args.assistant_layers, args.llama_cpp,
-                           _json_schema(args.json_schema))
+                           _json_schema(args.json_schema), args.llama_cpp_bin)
     except (ValueError, OSError) as exc:
         raise SpecdecError(str(exc)) from None
     quantized = f" ({report['quantization']} weights)" if report["quantization"] else ""
@@ -307,9 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetitions", type=int, default=1)
     p.add_argument("--hf", action="store_true", help="also run HF generate(): plain, prompt lookup, assistant")
     p.add_argument("--assistant-layers", type=int, default=6)
-    p.add_argument("--llama-cpp", action="store_true",
-                   help="also run llama.cpp on the target's GGUF file: plain and prompt lookup (needs the "
-                        "llama-cpp extra)")
+    p.add_argument("--llama-cpp", nargs="?", const="bindings", choices=["bindings", "native"],
+                   help="also run llama.cpp on the target's GGUF file: 'bindings' (the default; llama-cpp-python, "
+                        "plain and prompt lookup, the llama-cpp extra) or 'native' (llama-server plain and with its "
+                        "n-gram speculation, and llama-bench; built once into the user cache if not on PATH)")
+    p.add_argument("--llama-cpp-bin", metavar="DIR", help="where llama-server and llama-bench are (--llama-cpp native)")
     p.add_argument("--json-schema", metavar="FILE",
                    help="every answer follows this JSON schema (structured output; the report has the grammar "
                         "masks' time per step)")
