@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -24,16 +23,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from .models import cache_dir
+from .parallel.group import free_port
+
 #: llama-cpp-python whose vendored llama.cpp is built when no binaries are found
 DEFAULT_VERSION = "0.3.36"
 BINARIES = ("llama-server", "llama-bench")
 #: compiler flags that keep AMX out of a native build (explicit -mno-* win over -march=native)
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-
-
-def cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "specdec" / "llama.cpp"
 
 
 def _bindings_version() -> str:
@@ -57,7 +54,7 @@ def find_binaries(bin_dir: str | os.PathLike | None = None, build: bool = True) 
     on_path = [shutil.which(b) for b in BINARIES]
     if all(on_path) and len({Path(p).parent for p in on_path}) == 1:
         return Path(on_path[0]).parent
-    cached = cache_dir() / _bindings_version() / "bin"
+    cached = cache_dir() / "llama.cpp" / _bindings_version() / "bin"
     if all((cached / b).is_file() for b in BINARIES):
         return cached
     if not build:
@@ -99,12 +96,6 @@ def build_binaries(destination: Path, version: str | None = None) -> Path:
     return destination
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """``llama-server`` on ``gguf`` (``extra``: its speculation options), ``parallel`` slots,
     greedy; :meth:`complete` answers token-id prompts, timed at the client."""
@@ -113,7 +104,7 @@ class LlamaServer:
                  extra: tuple[str, ...] = (), start_timeout: float = 300.0):
         import httpx
 
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile()
         self._process = subprocess.Popen(

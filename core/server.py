@@ -234,15 +234,15 @@ def create_app(engine, options: ServerOptions | None = None) -> FastAPI:
             engine_stats = None
         return Response(stats.render(engine_stats, engine.restarts), media_type=CONTENT_TYPE_LATEST)
 
-    def check_lengths(prompts: list[list[int]], max_tokens: int | None) -> None:
-        """A prompt the context cannot hold, or an explicit ``max_tokens`` past what it
-        leaves, is refused naming the lengths (a default ``max_tokens`` is capped instead)."""
+    def check_max_tokens(prompts: list[list[int]], max_tokens: int | None) -> None:
+        """An explicit ``max_tokens`` past what the context leaves after a prompt is refused
+        naming the lengths (a default one is capped; a prompt the context cannot hold at all
+        is the engine's own refusal)."""
+        if max_tokens is None:
+            return
         for ids in prompts:
             room = info.max_model_len - len(ids)
-            if room < 1:
-                raise RequestError(f"the prompt has {len(ids)} tokens but the model's context holds "
-                                   f"{info.max_model_len} (prompt + at least one generated token); shorten it")
-            if max_tokens is not None and max_tokens > room:
+            if 0 < room < max_tokens:
                 raise RequestError(f"max_tokens is {max_tokens} but the prompt has {len(ids)} tokens and the "
                                    f"model's context holds {info.max_model_len}: at most {room} can be generated; "
                                    "lower max_tokens or shorten the prompt")
@@ -363,14 +363,14 @@ def create_app(engine, options: ServerOptions | None = None) -> FastAPI:
     @app.post("/v1/completions", responses=API_ERRORS)
     async def completions(body: CompletionRequest, http: HTTPRequest):
         prompts = [codec.encode(prompt) for prompt in body.prompts()]
-        check_lengths(prompts, body.max_tokens)
+        check_max_tokens(prompts, body.max_tokens)
         return await run(http, prompts, sampling_params_of(body, info.sampling), body.n, False, body.stream,
                          body.prompts() if body.echo else None)
 
     @app.post("/v1/chat/completions", responses=API_ERRORS)
     async def chat_completions(body: ChatRequest, http: HTTPRequest):
         ids = codec.apply_chat_template([m.model_dump() for m in body.messages])
-        check_lengths([ids], body.max_tokens)
+        check_max_tokens([ids], body.max_tokens)
         return await run(http, [ids], sampling_params_of(body, info.sampling), body.n, True, body.stream)
 
     return app

@@ -19,7 +19,6 @@ import contextlib
 import functools
 import inspect
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 from . import hookspecs
 from .config import SpeculativeConfig
 from .config_loading import structure, unstructure
+from .parallel.group import free_port
 from .plugins import DecodingType, get_registry, hook_names
 from .sampling_params import SamplingParams
 
@@ -490,9 +490,7 @@ def running_server(config: str, directory: str | Path, args: tuple[str, ...] = (
 
     cfg = Path(directory) / "cfg.yaml"
     cfg.write_text(config)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = Path(directory) / "server.log"  # a file, not a pipe: an unread pipe fills and stalls the server
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "-c", str(cfg), "--port", str(port),

@@ -157,6 +157,8 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server):
     assert r.status_code == 422 and "prompt" in r.text
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "word " * 9000, "max_tokens": 3}, timeout=60)
     assert r.status_code == 400 and "context holds" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 100000}, timeout=60)
+    assert r.status_code == 400 and "at most 8191 can be generated" in r.json()["error"]["message"]
     r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
     assert r.status_code == 422
     ok = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)

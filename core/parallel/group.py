@@ -70,7 +70,8 @@ def threads_per_rank(config) -> int:
     return config.engine.num_threads or max(1, (os.cpu_count() or 1) // config.engine.tensor_parallel_size)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -132,7 +133,7 @@ class TensorParallelGroup:
             rank, address, port = int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             local_rank = rank
         else:
-            rank, local_rank, address, port = 0, 0, "127.0.0.1", _free_port()
+            rank, local_rank, address, port = 0, 0, "127.0.0.1", free_port()
             workers, config_file = cls._launch_workers(unstructure(config), size, port)
         if device.type == "cuda":
             device = torch.device("cuda", local_rank)
