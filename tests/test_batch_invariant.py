@@ -311,23 +311,25 @@ def test_auto_keeps_stock_numerics_where_the_mode_was_not_measured(tiny_models, 
     monkeypatch.setattr(cpu, "kernel_available", lambda: False)  # no compiler: the torch version's cost
     assert resolve_batch_invariant(EngineConfig(), target) is False
     monkeypatch.undo()
-    if NATIVE_BF16:  # this CPU's own plans for the embedded model
-        assert resolve_batch_invariant(EngineConfig(), target) is True
+    if NATIVE_BF16:  # this CPU's own plans for the embedded model: on where none cuts or caps
+        plans = {invariant.linear_plan(m.weight, m.bias) for m in target.model.modules()
+                 if isinstance(m, torch.nn.Linear)}
+        assert resolve_batch_invariant(EngineConfig(), target) is all(p.parts == 1 and not p.chunk for p in plans)
     # with bfloat16 instructions: on where every product's plan at most pads rows (the
     # embedded model's on an AVX-512 Xeon), off where one cuts its input dimension in parts
     # (a product per part: the MLP's down projection here) or where no invariant plan exists
     monkeypatch.setattr(cpu, "native_bfloat16", lambda: True)
-    monkeypatch.setattr(invariant, "linear_plan", lambda w: LinearPlan(4, 1))
+    monkeypatch.setattr(invariant, "linear_plan", lambda w, bias=None: LinearPlan(4, 1))
     assert resolve_batch_invariant(EngineConfig(), target) is True
     monkeypatch.setattr(invariant, "linear_plan",
-                        lambda w: LinearPlan(4, 2) if tuple(w.shape) == (576, 1536) else LinearPlan(4, 1))
+                        lambda w, bias=None: LinearPlan(4, 2) if tuple(w.shape) == (576, 1536) else LinearPlan(4, 1))
     assert resolve_batch_invariant(EngineConfig(), target) is False
     head = target.model.get_output_embeddings().weight  # tied to the input embedding: still a product
     assert head is target.model.get_input_embeddings().weight
-    monkeypatch.setattr(invariant, "linear_plan", lambda w: LinearPlan(4, 2) if w is head else LinearPlan(4, 1))
+    monkeypatch.setattr(invariant, "linear_plan", lambda w, bias=None: LinearPlan(4, 2) if w is head else LinearPlan(4, 1))
     assert resolve_batch_invariant(EngineConfig(), target) is False
 
-    def no_plan(weight):
+    def no_plan(weight, bias=None):
         raise RuntimeError("no batch-invariant way")
     monkeypatch.setattr(invariant, "linear_plan", no_plan)
     assert resolve_batch_invariant(EngineConfig(), target) is False

@@ -68,8 +68,8 @@ def test_an_invariant_one_part_plan_multiplies_by_the_prepacked_weight():
             pytest.skip("the stock product is already row-invariant on this machine")
         plan = layer.forward.keywords["plan"]
         out = layer(x)
-        if plan.parts == 1:
-            assert layer.forward.keywords["weight"].is_mkldnn
+        if plan.parts == 1:  # packed where packing is exact on this CPU
+            assert layer.forward.keywords["weight"].is_mkldnn == can_prepack(layer.weight)
         reference = functools.partial(layer.forward.func, weight=layer.weight if plan.parts == 1
                                       else layer.forward.keywords["weight"], bias=layer.bias, plan=plan)
         assert torch.equal(out, reference(x))
@@ -84,8 +84,9 @@ def test_the_engine_prepacks_a_bfloat16_target_and_answers_as_without(tiny_model
         llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", engine={"prepack_weights": prepack})
         outputs[prepack] = [o.token_ids for o in llm.generate(prompts, params)]
         linears[prepack] = [m for m in llm.target.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears[True] and all((m.forward.func is packed_linear) if PACKS else ("forward" not in m.__dict__)
-                                 for m in linears[True])
+    # each shape packed where its reordered product is exact on this CPU, stock elsewhere
+    assert linears[True] and all((m.forward.func is packed_linear) if can_prepack(m.weight)
+                                 else ("forward" not in m.__dict__) for m in linears[True])
     assert all("forward" not in m.__dict__ for m in linears[False])
     assert outputs[True] == outputs[False]
     x = torch.randn(3, linears[True][0].in_features).to(torch.bfloat16)
@@ -103,7 +104,7 @@ def test_a_drafters_modules_are_prepacked_and_draft_exactly_as_without():
                   engine={"prepack_weights": prepack})
         linears = [m for module in llm.drafter.draft_modules() for m in module.modules()
                    if isinstance(m, torch.nn.Linear)]
-        assert linears and all(("forward" in m.__dict__) == (prepack and PACKS) for m in linears)
+        assert linears and all(("forward" in m.__dict__) == (prepack and can_prepack(m.weight)) for m in linears)
         out = llm.generate(["Write a short poem about the sea."], params)[0]
         runs[prepack] = (out.token_ids, out.metrics.num_accepted_tokens, out.metrics.num_draft_tokens)
     assert runs[True] == runs[False]

@@ -10,10 +10,12 @@ with it.
 The mode fixes the shape of every reduction a token goes through, so that only the
 batch dimension varies (which no kernel reorders):
 
-- linear layers pad their rows and split their input dimension as a :class:`LinearPlan`
-  found by trying on this machine at first use (:func:`linear_plan`: the thresholds are
-  the kernel library's), the slices' products added in float32 in a fixed order; on CUDA
-  they multiply a fixed number of rows per call (:data:`CUDA_CHUNK_ROWS`); on a CPU without
+- linear layers pad their rows, split their input dimension and cap the rows of a call as
+  a :class:`LinearPlan` found by trying on this machine at first use (:func:`linear_plan`:
+  the thresholds are the kernel library's, and a CPU with AMX switches kernels at a row
+  count where one without does not), the slices' products added in float32 in a fixed
+  order; on CUDA they multiply a fixed number of rows per call
+  (:data:`CUDA_CHUNK_ROWS`); on a CPU without
   bfloat16 instructions, bfloat16 layers run specdec's linear kernel (:mod:`.cpu`), which
   sums every output in one order whatever the row count;
 - attention runs in float32 over *key rows*: a query at position ``p`` sees the keys of
@@ -56,8 +58,11 @@ KEY_BLOCK = 64
 #: rows of an attention product (queries times query heads per KV head) are padded to a
 #: multiple of this (1-3 rows round differently from 4, 8 and 12 or more).
 ROW_MULTIPLE = 4
-#: row counts checked when a linear shape is calibrated.
-_CHECK_ROWS = (2, 3, 4, 5, 7, 8, 11, 16, 17, 33, 64)
+#: row counts checked when a linear shape is calibrated, up to a prefill chunk's: a kernel
+#: switch can change as little as one output in 20,000, so the checks span many rows.
+_CHECK_ROWS = (2, 3, 4, 5, 7, 8, 11, 16, 17, 31, 32, 33, 40, 64, 65, 100, 128, 129, 257, 512)
+#: on the CPU, the row caps tried per call where one call for all rows is not invariant.
+_CPU_CHUNKS = (32, 16)
 #: on CUDA, linear layers run in calls of exactly this many rows: cuBLAS picks its kernel
 #: (and split of the reduction) by the row count, so only a fixed count is safe for any batch.
 CUDA_CHUNK_ROWS = 64
@@ -74,8 +79,8 @@ def round_up(n: int, multiple: int) -> int:
 class LinearPlan:
     """How to run one linear shape batch-invariantly: rows padded to a multiple of
     ``row_multiple``; the input dimension cut in ``parts`` equal slices whose products
-    (:func:`plan_weight`) are added in float32 in a fixed order; with ``chunk``, rows are
-    padded to a multiple of it and multiplied ``chunk`` rows per call."""
+    (:func:`plan_weight`) are added in float32 in a fixed order; with ``chunk`` (a multiple
+    of ``row_multiple``), at most ``chunk`` rows a call."""
 
     row_multiple: int
     parts: int
@@ -107,7 +112,7 @@ def planned_linear(x: torch.Tensor, weight: torch.Tensor | tuple, bias: torch.Te
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     rows = x.shape[0]
-    padding = -rows % (plan.chunk or plan.row_multiple)
+    padding = -rows % plan.row_multiple
     if padding:
         x = torch.cat([x, x.new_zeros(padding, x.shape[1])])
     if plan.chunk and len(x) > plan.chunk:
@@ -137,48 +142,74 @@ def _product(x: torch.Tensor, weight, bias: torch.Tensor | None, parts: int) -> 
     return acc.to(x.dtype)
 
 
-def _rows_invariant(weight: torch.Tensor, plan: LinearPlan) -> bool:
-    checks = _CHECK_ROWS + ((plan.chunk + 1, 2 * plan.chunk + 3) if plan.chunk else ())
-    x = torch.randn(max(checks), weight.shape[1], generator=torch.Generator().manual_seed(0))
-    x = x.to(weight.device, weight.dtype)
+def _calibration_inputs(out_features: int, in_features: int, rows: int, has_bias: bool, device: str,
+                        dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    """(weight, bias, rows of input) a plan is checked on: Gaussian numbers, and numbers
+    whose sums cancel (pairs of equal weight columns met by ``+-2**16``), where a change in
+    the order of additions shows in a far larger share of the outputs. A kernel switch can
+    change as little as one output in 20,000 on Gaussian numbers alone."""
+    g = torch.Generator().manual_seed(1)
+    inputs = []
+    for cancelling in (False, True):
+        weight = torch.randn(out_features, in_features, generator=g) * in_features ** -0.5
+        x = torch.randn(rows, in_features, generator=g)
+        if cancelling and in_features >= 2:
+            weight[:, 1::2] = weight[:, 0:in_features - in_features % 2:2]
+            cols = torch.randint(0, in_features // 2, (rows, 4), generator=g) * 2
+            big = (torch.randint(0, 2, (rows, 4), generator=g) * 2 - 1.0) * 2.0 ** 16
+            row = torch.arange(rows)[:, None].expand(rows, 4)
+            x[row, cols], x[row, cols + 1] = big, -big
+        bias = torch.randn(out_features, generator=g).to(device, dtype) if has_bias else None
+        inputs.append((weight.to(device, dtype), bias, x.to(device, dtype)))
+    return inputs
+
+
+def _rows_invariant(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, plan: LinearPlan) -> bool:
+    # a capped plan's calls never exceed its cap: row counts up to it and two past it say all
+    checks = sorted({m for m in _CHECK_ROWS if m <= len(x) and (not plan.chunk or m <= plan.chunk)}
+                    | ({plan.chunk + 1, 2 * plan.chunk + 3} if plan.chunk else set()))
     w = plan_weight(weight, plan)
     alone: list[torch.Tensor] = []  # each row on its own, computed as far as a check needs (most plans fail early)
     for m in checks:
-        alone += [planned_linear(x[i:i + 1], w, None, plan) for i in range(len(alone), m)]
-        if not torch.equal(planned_linear(x[:m], w, None, plan), torch.cat(alone)):
+        alone += [planned_linear(x[i:i + 1], w, bias, plan) for i in range(len(alone), m)]
+        if not torch.equal(planned_linear(x[:m], w, bias, plan), torch.cat(alone)):
             return False
     return True
 
 
 @functools.cache
-def _linear_plan(out_features: int, in_features: int, dtype: torch.dtype, device: str, threads: int) -> LinearPlan:
-    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1))
-    weight = (weight * in_features ** -0.5).to(device, dtype)
+def _linear_plan(out_features: int, in_features: int, dtype: torch.dtype, device: str, threads: int,
+                 has_bias: bool) -> LinearPlan:
     divisors = [p for p in range(1, in_features // 64 + 1) if in_features % p == 0] or [1]
     if device == "cuda":
-        plans = [LinearPlan(1, parts, CUDA_CHUNK_ROWS) for parts in divisors]
+        plans = [LinearPlan(CUDA_CHUNK_ROWS, parts, CUDA_CHUNK_ROWS) for parts in divisors]
     else:
-        # padding a decode step's row to a few rows costs next to nothing where the product
-        # streams its weight; cutting the input into parts costs a product per part
-        plans = [LinearPlan(row_multiple, parts) for parts in divisors
+        # cheapest first: padding a decode step's row to a few rows costs next to nothing
+        # where the product streams its weight; capping a call's rows costs calls on a long
+        # prefill only; cutting the input into parts costs a product per part on every call
+        plans = [LinearPlan(row_multiple, parts, chunk) for parts in divisors for chunk in (0,) + _CPU_CHUNKS
                  for row_multiple in (1, ROW_MULTIPLE, 2 * ROW_MULTIPLE)]
-    for plan in plans:
-        if _rows_invariant(weight, plan):
-            if not plan.is_stock:
-                log.info("batch-invariant %s linear %dx%d on %s: %s", dtype, in_features, out_features, device, plan)
-            return plan
-    raise RuntimeError(f"no batch-invariant way to compute a {in_features}x{out_features} {dtype} linear on "
-                       f"{device} was found; turn engine.batch_invariant off for this model")
+    inputs = _calibration_inputs(out_features, in_features, max(_CHECK_ROWS), has_bias, device, dtype)
+    with torch.inference_mode():
+        found = next((plan for plan in plans if all(_rows_invariant(*data, plan) for data in inputs)), None)
+    if found is None:
+        raise RuntimeError(f"no batch-invariant way to compute a {in_features}x{out_features} {dtype} linear on "
+                           f"{device} was found; turn engine.batch_invariant off for this model")
+    if not found.is_stock:
+        log.info("batch-invariant %s linear %dx%d on %s: %s", dtype, in_features, out_features, device, found)
+    return found
 
 
-def linear_plan(weight: torch.Tensor) -> LinearPlan:
-    """The :class:`LinearPlan` under which ``weight`` (``[out, in]``) gives each row the same
-    result however many rows share the call: found by trying, once per shape, dtype, device
-    and thread count (the thresholds are the kernel library's)."""
-    return _linear_plan(weight.shape[0], weight.shape[1], weight.dtype, weight.device.type, torch.get_num_threads())
+def linear_plan(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearPlan:
+    """The :class:`LinearPlan` under which ``weight`` (``[out, in]``) and ``bias`` give each
+    row the same result however many rows share the call: found by trying, once per shape,
+    dtype, device, thread count and whether a bias is added (the thresholds are the kernel
+    library's)."""
+    return _linear_plan(weight.shape[0], weight.shape[1], weight.dtype, weight.device.type, torch.get_num_threads(),
+                        bias is not None)
 
 
-def linear_costs_nothing(weight: torch.Tensor) -> bool:
+def linear_costs_nothing(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether the mode's product with ``weight`` costs what the stock one costs: the CPU
     linear kernel's (no bfloat16 instructions), or, on a CPU with them, a plan that at most
     pads rows (a decode row padded to four costs next to nothing where the product streams
@@ -189,7 +220,7 @@ def linear_costs_nothing(weight: torch.Tensor) -> bool:
             and weight.dim() == 2):
         return False
     try:
-        plan = linear_plan(weight)
+        plan = linear_plan(weight, bias)
     except RuntimeError:
         return False
     return plan.parts == 1 and not plan.chunk
@@ -208,7 +239,7 @@ def mode_costs_nothing(model: torch.nn.Module, layer_shapes: list[tuple[int, int
     covered = set()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            if not linear_costs_nothing(module.weight):  # a tied LM head too: its product is checked
+            if not linear_costs_nothing(module.weight, module.bias):  # a tied LM head too: its product is checked
                 return False
             covered.add(id(module.weight))
         elif isinstance(module, torch.nn.Embedding):
@@ -225,7 +256,7 @@ def make_linear_invariant(module: torch.nn.Linear) -> bool:
     if linear_kernel_fits(module.weight):
         module.forward = kernel_linear_forward(module)
         return True
-    plan = linear_plan(module.weight)
+    plan = linear_plan(module.weight, module.bias)
     if plan.is_stock:
         return False
     module.forward = functools.partial(planned_linear, weight=plan_weight(module.weight, plan), bias=module.bias,
