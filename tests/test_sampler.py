@@ -14,7 +14,7 @@ import torch
 import specdec.sampler.acceptance as acceptance
 from specdec import DraftProposal, SamplingParams
 from specdec.errors import FieldError
-from specdec.sampler import probs_from_logits, shape_logits, verify_greedy, verify_sampled
+from specdec.sampler import probs_from_logits, shape_logits, verify_greedy, verify_sampled, verify_seeded
 
 
 def test_greedy_chain_and_tree():
@@ -139,12 +139,13 @@ def draft_tree(tables, prefix, shape, gen):
     return DraftProposal(token_ids=tokens, parents=parents, draft_probs=torch.stack(rows), sibling_sampling=sampling)
 
 
-def sample_pairs(tables, shape, n, seed=0, ignore_q=False):
+def sample_pairs(tables, shape, n, seed=0, ignore_q=False, seeded=False):
     """First two output tokens, ``n`` times. ``ignore_q``: a wrong rule that verifies drafts
-    sampled from q as if q were uniform."""
+    sampled from q as if q were uniform. ``seeded``: sample ``i`` is a request with seed
+    ``seed * n + i`` whose prompt ends at position 17, verified by the seeded rule."""
     gen = torch.Generator().manual_seed(seed)
     counts = {}
-    for _ in range(n):
+    for i in range(n):
         out: list[int] = []
         while len(out) < 2:
             prefix = tuple(out)
@@ -156,7 +157,9 @@ def sample_pairs(tables, shape, n, seed=0, ignore_q=False):
                 paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
             target = torch.stack([tables.probs(tables.target, prefix)] +
                                  [tables.probs(tables.target, prefix + p) for p in paths])
-            out.extend(verify_sampled(target, prop, gen).tokens)
+            verdict = (verify_seeded(target, prop, seed * n + i, 17 + len(out)) if seeded
+                       else verify_sampled(target, prop, gen))
+            out.extend(verdict.tokens)
         key = (out[0], out[1])
         counts[key] = counts.get(key, 0) + 1
     return counts
@@ -203,6 +206,55 @@ def test_sampled_output_follows_the_target_distribution(tiny_pair, shape, settin
     counts = sample_pairs(tables, shape, N, seed=setting)
     p = chi_square_p_value(counts, tables.exact_pair(), N)
     assert p > 1e-3, f"{shape} at {SETTINGS[setting]}: chi-square p-value {p:.2e}"
+
+
+@pytest.mark.parametrize("shape", ["chain", "iid", "topk"])
+def test_seeded_output_follows_the_target_distribution(tiny_pair, shape):
+    """Each sample a request with a seed of its own: the seeded rule's draws, one uniform
+    number per position, follow the target's distribution with drafts of every shape."""
+    tables = Tables(*tiny_pair, SETTINGS[1])
+    counts = sample_pairs(tables, shape, N, seed=1, seeded=True)
+    p = chi_square_p_value(counts, tables.exact_pair(), N)
+    assert p > 1e-3, f"seeded {shape}: chi-square p-value {p:.2e}"
+
+
+def test_seeded_rule_with_one_number_for_every_position_fails_the_same_test(tiny_pair, monkeypatch):
+    tables = Tables(*tiny_pair, SETTINGS[1])
+    uniform = acceptance.position_uniform
+    monkeypatch.setattr(acceptance, "position_uniform", lambda seed, position: uniform(seed, 0))
+    p = chi_square_p_value(sample_pairs(tables, "chain", N, seed=1, seeded=True), tables.exact_pair(), N)
+    assert p < 1e-3, f"the correlated rule passed (p-value {p:.2e})"
+
+
+def test_a_seed_gives_the_same_tokens_whatever_was_drafted(tiny_pair):
+    """The first two tokens of a seeded request are the same with no draft, a chain or a
+    tree, drafted from anything, accepted or not: the seed and positions decide them."""
+    tables = Tables(*tiny_pair, SETTINGS[0])
+    gen = torch.Generator().manual_seed(5)
+    for seed in range(40):
+        outputs = set()
+        for shape in (None, "chain", "iid", "topk", "chain"):
+            out: list[int] = []
+            while len(out) < 2:
+                prefix = tuple(out)
+                prop = None if shape is None else draft_tree(tables, prefix, shape, gen)
+                paths = []
+                for tok, parent in zip(prop.token_ids if prop else [], prop.parents if prop else []):
+                    paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
+                target = torch.stack([tables.probs(tables.target, prefix)] +
+                                     [tables.probs(tables.target, prefix + p) for p in paths])
+                out.extend(verify_seeded(target, prop, seed, 9 + len(out)).tokens)
+            outputs.add(tuple(out[:2]))
+        assert len(outputs) == 1, (seed, outputs)
+
+
+def test_position_uniforms_are_uniform_and_differ_by_seed_and_position():
+    u = torch.tensor([acceptance.position_uniform(s, t) for s in range(100) for t in range(100)], dtype=torch.float64)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and len(set(u.tolist())) == len(u)
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert float(((counts - 1000) ** 2 / 1000).sum()) < 27.9  # chi-square, 9 dof, p = 0.001
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.25, 0.25, 0.25, 0.25]])
+    assert acceptance.sample_by_uniforms(probs, [0.0, 0.999]).tolist() == [1, 3]  # zero mass never drawn
 
 
 @pytest.mark.parametrize("wrong", ["residual_without_q", "residual_without_clamp", "ignore_q"])

@@ -3,7 +3,10 @@
 A drafted request keeps the longest path of its draft that the target accepts, then one
 token of the target's own (the bonus or correction token): greedy requests by argmax
 (every plain-greedy row of the step in one batched comparison), sampled requests by
-recursive rejection sampling, so output follows the target's distribution. An opt-in
+recursive rejection sampling, so output follows the target's distribution; a request with
+a seed by the target's own draw at each position from numbers that depend on the seed and
+the position alone, so the same seed gives the same output however it was drafted or
+batched. An opt-in
 lossy acceptance rule (Medusa's typical, MTP's relaxed acceptance) verifies what is in its
 scope and marks the request not lossless. A prompt chunk that ends the prompt draws the
 first output token. A request with structured output has its rows masked first, each to
@@ -19,7 +22,8 @@ import torch
 
 from ..drafting import StepResult
 from ..grammar import apply_masks
-from ..sampler import Verdict, probs_from_logits, shape_logits, verify_greedy, verify_greedy_batch, verify_sampled
+from ..sampler import (Verdict, probs_from_logits, shape_logits, verify_greedy, verify_greedy_batch, verify_sampled,
+                       verify_seeded)
 from ..sampling_params import SamplingParams
 from .request import Request
 from .step_items import StepItem
@@ -95,7 +99,7 @@ class Verifier:
 
     def _sample_first(self, req: Request, it: StepItem, logits: torch.Tensor) -> list[int]:
         probs = self._probs(req, logits[it.logits_from:it.logits_from + 1], [req.token_ids])
-        return verify_sampled(probs, None, req.generator).tokens
+        return self._sampled(req, probs, None).tokens
 
     def _verify(self, req: Request, it: StepItem, logits: torch.Tensor) -> Verdict:
         params, prop = req.sampling_params, it.proposal
@@ -114,4 +118,11 @@ class Verifier:
                 return verdict
         if params.greedy:  # greedy with penalties or biases, or outside a lossy rule's scope
             return verify_greedy(probs.argmax(-1).tolist(), prop)
+        return self._sampled(req, probs, prop)
+
+    @staticmethod
+    def _sampled(req: Request, probs: torch.Tensor, prop) -> Verdict:
+        seed = req.sampling_params.seed
+        if seed is not None:
+            return verify_seeded(probs, prop, seed, len(req.token_ids))
         return verify_sampled(probs, prop, req.generator)

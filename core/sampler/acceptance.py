@@ -11,6 +11,13 @@ follows row ``r``'s token.
   ``x``. Deterministic children (no randomness in the drafter) have a one-hot ``q``. With
   no child accepted, the correction token is drawn from the final ``p``; after a fully
   accepted path the bonus token is drawn from the last node's row.
+* seeded (lossless and reproducible): the token at sequence position ``t`` is the target's
+  own draw with a uniform number that depends only on the seed and ``t`` (inverse CDF);
+  the children whose token equals that draw are followed, as in greedy verification. The
+  output is then the one plain sampling gives with that seed whatever was drafted, and
+  however the request was batched: rejection sampling's draws depend on how many drafts
+  each step verified. A draft drawn from ``q`` is kept with ``p(x)`` rather than
+  ``min(1, p(x) / q(x))``; for deterministic drafts the two are the same.
 """
 
 from __future__ import annotations
@@ -124,6 +131,39 @@ def verify_sampled(target_probs: torch.Tensor, proposal: DraftProposal | None,
         accepted.append(chosen)
         node = chosen
     return Verdict(accepted, [draft[n] for n in accepted] + [_sample(target_probs[node + 1], generator)])
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on ``seed`` and ``position``
+    (SplitMix64 of the two: 53 random bits)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
+def sample_by_uniforms(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Row ``r``'s token drawn from ``probs[r]`` by the inverse CDF at ``uniforms[r]``
+    (float64 sums in vocabulary order; a zero-probability token is never drawn)."""
+    cdf = probs.double().cumsum(-1)
+    at = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, at, right=True).clamp_(max=probs.shape[-1] - 1)[:, 0]
+
+
+def verify_seeded(target_probs: torch.Tensor, proposal: DraftProposal | None, seed: int, position: int) -> Verdict:
+    """Seeded verification (see the module docstring): row 0 draws the token at sequence
+    position ``position``, a draft node's row the one after it, each with its position's
+    uniform number."""
+    depths = [0]
+    for parent in (proposal.parents if proposal is not None else []):
+        depths.append(depths[parent + 1] + 1)
+    tokens = sample_by_uniforms(target_probs, [position_uniform(seed, position + d) for d in depths])
+    if proposal is None or not proposal.token_ids:
+        return Verdict([], [int(tokens[0])])
+    return verify_greedy(tokens.tolist(), proposal)
 
 
 def _verify_chain(target_probs: torch.Tensor, proposal: DraftProposal, generator) -> Verdict:
