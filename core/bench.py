@@ -31,7 +31,7 @@ from .executor.metrics import RequestMetrics
 from .llama_cpp_baseline import LlamaCppWorker, require_bindings
 from .llama_cpp_native import LlamaServer, find_binaries, llama_bench
 from .models import gguf_file
-from .prompt_sets import PROMPTS, load_jsonl, messages
+from .prompt_sets import PROMPTS, Turns, load_jsonl, messages
 from .sampling_params import SamplingParams
 
 #: The warm-up request of every method: outside every measured set, so no drafter starts
@@ -99,30 +99,49 @@ def concurrent_requests(conversations: list, batch_size: int) -> list:
     out = list(conversations)
     for j in range(len(conversations), batch_size):
         conv = conversations[j % len(conversations)]
-        out.append([*conv[:-1], {**conv[-1], "content": f"(request {j + 1}) {conv[-1]['content']}"}])
+        if isinstance(conv, Turns):  # the first turn numbered, the rest answered as they come
+            out.append(Turns([{**conv[0], "content": f"(request {j + 1}) {conv[0]['content']}"}, *conv[1:]]))
+        else:
+            out.append([*conv[:-1], {**conv[-1], "content": f"(request {j + 1}) {conv[-1]['content']}"}])
     return out
 
 
 def run_llm(llm: LLM, conversations: list, params: SamplingParams, batch_size: int, res: CategoryResult) -> None:
     """One pass of a method over one category's requests, ``batch_size`` submitted
-    together, added into ``res`` (throughput over the batch's wall time)."""
+    together, added into ``res`` (throughput over the batch's wall time). Multi-turn
+    conversations (:class:`Turns`) go turn by turn: each batch of next turns carries the
+    turns before it with the method's own answers."""
     res.outputs = res.outputs if res.outputs is not None else []
     for i in range(0, len(conversations), batch_size):
-        batch = [llm.apply_chat_template(c) for c in conversations[i:i + batch_size]]
-        started = time.perf_counter()
-        outs = llm.generate(batch, params)
-        res.seconds += time.perf_counter() - started
-        for out in outs:
-            m = out.metrics
-            res.tokens += len(out.token_ids)
-            res.outputs.append(out.token_ids)
-            res.metrics.merge(m)
-            if m.time_to_first_token is not None:
-                res.ttft.append(m.time_to_first_token)
-            if m.finish_time:
-                res.latency.append(m.finish_time - m.arrival_time)
-            if len(out.token_ids) > 1 and m.finish_time and m.first_token_time:
-                res.tpot.append((m.finish_time - m.first_token_time) / (len(out.token_ids) - 1))
+        group = conversations[i:i + batch_size]
+        turns = [c if isinstance(c, Turns) else [c] for c in group]  # a plain one: one turn of all it holds
+        histories: list[list[dict]] = [[] for _ in group]
+        for turn in range(max(len(t) for t in turns)):
+            asked = [k for k, t in enumerate(turns) if turn < len(t)]
+            for k in asked:
+                histories[k] += [turns[k][turn]] if isinstance(group[k], Turns) else group[k]
+            outs = _run_batch(llm, [llm.apply_chat_template(histories[k]) for k in asked], params, res)
+            for k, out in zip(asked, outs):
+                histories[k].append({"role": "assistant", "content": out.text})
+
+
+def _run_batch(llm: LLM, prompts: list[str], params: SamplingParams, res: CategoryResult) -> list:
+    """One batch generated together, its figures added into ``res``; its outputs."""
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    res.seconds += time.perf_counter() - started
+    for out in outs:
+        m = out.metrics
+        res.tokens += len(out.token_ids)
+        res.outputs.append(out.token_ids)
+        res.metrics.merge(m)
+        if m.time_to_first_token is not None:
+            res.ttft.append(m.time_to_first_token)
+        if m.finish_time:
+            res.latency.append(m.finish_time - m.arrival_time)
+        if len(out.token_ids) > 1 and m.finish_time and m.first_token_time:
+            res.tpot.append((m.finish_time - m.first_token_time) / (len(out.token_ids) - 1))
+    return outs
 
 
 def hf_systems(llm: LLM, max_tokens: int, assistant_layers: int) -> dict:
@@ -350,6 +369,9 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
     if compare_hf and base.engine.tensor_parallel_size > 1:
         raise ValueError("--hf runs transformers' generate() on the target, which is sharded under tensor "
                          "parallelism; leave out --hf or --tensor-parallel-size")
+    if (compare_hf or compare_llama_cpp) and any(isinstance(c, Turns) for cs in prompt_sets.values() for c in cs):
+        raise ValueError("multi-turn sets ({\"turns\": ...}) run on specdec's methods only: leave out --hf and "
+                         "--llama-cpp")
     if json_schema is not None and (compare_hf or compare_llama_cpp):
         raise ValueError("--json-schema constrains specdec's methods only: leave out --hf and --llama-cpp")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0,

@@ -5,7 +5,7 @@ chunks in OpenAI's JSON shapes."""
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -88,6 +88,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(default=None, ge=0)  # vLLM's: no EOS or stop token before this many
     seed: int | None = None
     stop: str | list[str] | None = None
+    extra_args: dict[str, Any] | None = None  # options for drafting plugins (vLLM's): never change output
     stream: bool = False
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     response_format: ResponseFormat | None = None
@@ -190,7 +191,8 @@ def sampling_params_of(body: CompletionRequest | ChatRequest, defaults: Sampling
     """The request's sampling parameters: the server's defaults with what the body sets."""
     given = {k: getattr(body, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                                            "repetition_penalty", "frequency_penalty", "presence_penalty",
-                                           "logit_bias", "min_tokens", "seed", "stop") if getattr(body, k) is not None}
+                                           "logit_bias", "min_tokens", "seed", "stop", "extra_args")
+             if getattr(body, k) is not None}
     return attrs.evolve(defaults, **given, logprobs=body.logprobs_asked(),
                         prompt_logprobs=body.prompt_logprobs_asked(), structured_outputs=body.structure_asked())
 

@@ -55,9 +55,15 @@ def messages(category: str) -> list[list[dict]]:
     return [[{"role": "user", "content": text}] for text in PROMPTS[category]]
 
 
+class Turns(list):
+    """A multi-turn conversation's user messages, answered in order: each turn is sent with
+    the turns before it and the answers they got (an agent's loop, a chat's follow-ups)."""
+
+
 def load_jsonl(path: str) -> dict[str, list[list[dict]]]:
-    """A user's prompt set: one JSON object a line, ``{"prompt": "..."}`` or
-    ``{"messages": [...]}``, with an optional ``"category"`` (default ``"custom"``)."""
+    """A user's prompt set: one JSON object a line, ``{"prompt": "..."}``,
+    ``{"messages": [...]}`` or ``{"turns": ["...", ...]}`` (a :class:`Turns`), with an
+    optional ``"category"`` (default ``"custom"``)."""
     import json
 
     sets: dict[str, list[list[dict]]] = {}
@@ -67,10 +73,15 @@ def load_jsonl(path: str) -> dict[str, list[list[dict]]]:
                 continue
             try:
                 item = json.loads(line)
-                conversation = item["messages"] if "messages" in item else [{"role": "user", "content": item["prompt"]}]
+                if "turns" in item:
+                    conversation = Turns({"role": "user", "content": str(t)} for t in item["turns"])
+                else:
+                    conversation = (item["messages"] if "messages" in item
+                                    else [{"role": "user", "content": item["prompt"]}])
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(
-                    f"{path}:{number}: expected {{\"prompt\": ...}} or {{\"messages\": [...]}} ({exc})") from None
+                    f"{path}:{number}: expected {{\"prompt\": ...}}, {{\"messages\": [...]}} or "
+                    f"{{\"turns\": [...]}} ({exc})") from None
             sets.setdefault(item.get("category", "custom"), []).append(conversation)
     if not sets:
         raise ValueError(f"{path}: no prompts")

@@ -134,6 +134,9 @@ class SamplingParams:
         structured_outputs: a grammar every output token must follow; the target's
             distribution at each position is masked to the tokens it allows and
             renormalised (logprobs too), and the output ends with EOS once it is complete.
+        extra_args: options for drafting plugins, by name (vLLM's name), e.g.
+            ``{"suffix_cache": False}``: this request's text never enters suffix decoding's
+            shared cache. They never change output.
     """
 
     max_tokens: int = attrs.field(default=64, validator=_check_range(0, None))
@@ -154,6 +157,7 @@ class SamplingParams:
     min_tokens: int = attrs.field(default=0, validator=_check_range(0, None))
     structured_outputs: StructuredOutputs | None = attrs.field(default=None, hash=False,
                                                                converter=_structured_outputs)
+    extra_args: dict | None = attrs.field(default=None, hash=False)
 
     def __attrs_post_init__(self):
         if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):

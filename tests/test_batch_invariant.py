@@ -326,7 +326,8 @@ def test_auto_keeps_stock_numerics_where_the_mode_was_not_measured(tiny_models, 
     assert resolve_batch_invariant(EngineConfig(), target) is False
     head = target.model.get_output_embeddings().weight  # tied to the input embedding: still a product
     assert head is target.model.get_input_embeddings().weight
-    monkeypatch.setattr(invariant, "linear_plan", lambda w, bias=None: LinearPlan(4, 2) if w is head else LinearPlan(4, 1))
+    monkeypatch.setattr(invariant, "linear_plan",
+                        lambda w, bias=None: LinearPlan(4, 2) if w is head else LinearPlan(4, 1))
     assert resolve_batch_invariant(EngineConfig(), target) is False
 
     def no_plan(weight, bias=None):

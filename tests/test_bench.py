@@ -122,6 +122,38 @@ def test_systems_take_turns_batch_by_batch_in_a_rotating_order(tmp_path, monkeyp
     assert len(plain["tokens_per_s_by_repetition"]) == 2 and plain["tokens"] == 2 * 4 * 2
 
 
+def test_a_multi_turn_set_answers_each_turn_with_the_answers_before_it(tmp_path, monkeypatch):
+    """``{"turns": [...]}`` lines: each turn goes out with the earlier turns and the method's
+    own answers to them, turn by turn across the batch; single-turn lines beside them."""
+    from specdec import LLM, bench
+    from specdec.config_loading import config_from_dict
+    from specdec.prompt_sets import Turns, load_jsonl
+
+    data = tmp_path / "agent.jsonl"
+    data.write_text(json.dumps({"turns": ["Say one.", "Say two.", "Say three."], "category": "agent"}) + "\n"
+                    + json.dumps({"prompt": "Say hi.", "category": "agent"}) + "\n")
+    (agent,) = load_jsonl(str(data)).values()
+    assert isinstance(agent[0], Turns) and len(agent[0]) == 3
+    sent = []
+    generate = LLM.generate
+
+    def recorded(llm, prompts, params):
+        sent.append(list(prompts))
+        return generate(llm, prompts, params)
+
+    monkeypatch.setattr(LLM, "generate", recorded)
+    report = bench.run_bench(config_from_dict({"dtype": "float32"}), ["ngram"], str(data), None, batch_size=2,
+                             temperature=0.0, max_tokens=3, repetitions=1, compare_hf=False)
+    plain = sent[2:5]  # after the two engines' warm-ups: plain's three turns
+    assert [len(batch) for batch in plain] == [2, 1, 1]  # the single-turn line answered with the first turn
+    first, second, third = plain[0][0], plain[1][0], plain[2][0]
+    assert second[:len(first)] == first and third[:len(second)] == second and len(third) > len(second) > len(first)
+    assert report["results"]["ngram"]["agent"]["identical_to_plain"] == "4/4"
+    with pytest.raises(ValueError, match="multi-turn"):
+        bench.run_bench(config_from_dict({"dtype": "float32"}), [], str(data), None, batch_size=1,
+                        temperature=0.0, max_tokens=2, repetitions=1, compare_hf=True)
+
+
 def test_concurrent_requests_are_distinct():
     from specdec.bench import concurrent_requests
 

@@ -22,8 +22,15 @@ import torch
 
 from ..drafting import StepResult
 from ..grammar import apply_masks
-from ..sampler import (Verdict, probs_from_logits, shape_logits, verify_greedy, verify_greedy_batch, verify_sampled,
-                       verify_seeded)
+from ..sampler import (
+    Verdict,
+    probs_from_logits,
+    shape_logits,
+    verify_greedy,
+    verify_greedy_batch,
+    verify_sampled,
+    verify_seeded,
+)
 from ..sampling_params import SamplingParams
 from .request import Request
 from .step_items import StepItem

@@ -1,0 +1,151 @@
+"""spec_suffix: the counted trie, the shared cache's bound, drafting trees, losslessness on
+the embedded model (alone, batched, with the cache warm), sampling through the core sampler."""
+
+from types import SimpleNamespace
+
+import pytest
+from specdec_suffix import SuffixCache, SuffixConfig, SuffixDrafter
+from specdec_suffix.trie import SuffixTrie
+
+from specdec import LLM, SamplingParams, testing
+
+
+def config(**options):
+    return SuffixConfig(decoding_type="suffix", **options)
+
+
+def counts(trie, node=None, prefix=()):
+    """Every counted substring of ``trie`` with its count."""
+    node = node or trie.root
+    out = {}
+    for token, child in node.children.items():
+        out[prefix + (token,)] = child.count
+        out.update(counts(trie, child, prefix + (token,)))
+    return out
+
+
+def brute_counts(sequences, depth):
+    out = {}
+    for seq in sequences:
+        for i in range(len(seq)):
+            for n in range(1, depth + 1):
+                if i + n <= len(seq):
+                    key = tuple(seq[i:i + n])
+                    out[key] = out.get(key, 0) + 1
+    return out
+
+
+def test_the_trie_counts_every_substring_up_to_its_depth_added_at_once_or_token_by_token():
+    a, b = [1, 2, 3, 1, 2, 4, 1, 2, 3], [2, 3, 5, 2, 3]
+    whole, stepwise = SuffixTrie(4), SuffixTrie(4)
+    whole.add(a)
+    whole.add(b)
+    for seq in (a, b):
+        open_nodes = []
+        for token in seq:
+            open_nodes = stepwise.extend(open_nodes, [token])
+    assert counts(whole) == counts(stepwise) == brute_counts([a, b], 4)
+    assert whole.nodes == len(counts(whole)) + 1
+    whole.remove(a)
+    assert counts(whole) == brute_counts([b], 4) and whole.nodes == len(counts(whole)) + 1
+    whole.remove(b)
+    assert whole.root.children == {} and whole.nodes == 1
+
+
+def test_the_longest_known_suffix_is_matched():
+    trie = SuffixTrie(8)
+    trie.add([7, 1, 2, 3, 4, 9])
+    node, length = trie.match([5, 5, 1, 2, 3], longest=6)
+    assert length == 3 and set(node.children) == {4}
+    assert trie.match([8, 8], longest=6) == (None, 0)
+    assert trie.match([7, 1, 2, 3], longest=2)[1] == 2  # capped
+
+
+def test_the_draft_tree_is_best_first_with_frequencies_and_a_floor():
+    trie = SuffixTrie(6)
+    for tail in ([10, 11], [10, 11], [10, 12], [20, 21]):
+        trie.add([1, 2] + tail)
+    node, _ = trie.match([0, 1, 2], longest=4)
+    tokens, parents, scores = SuffixTrie.draft(node, max_nodes=10, max_depth=3, min_prob=0.2)
+    # "1 2" was followed by 10 three times in four, 20 once; 10 by 11 twice in three
+    assert tokens == [10, 11, 12, 20, 21] and parents == [-1, 0, 0, -1, 3]  # ties: the smaller token first
+    assert scores == pytest.approx([0.75, 0.5, 0.25, 0.25, 0.25])
+    assert SuffixTrie.draft(node, max_nodes=10, max_depth=3, min_prob=0.3)[0] == [10, 11]
+    assert SuffixTrie.draft(node, max_nodes=2, max_depth=1, min_prob=0.0)[0] == [10, 20]
+
+
+def test_the_cache_forgets_the_least_recent_requests_beyond_its_bounds():
+    cache = SuffixCache(config(max_cached_requests=2, max_tree_depth=4))
+    for seq in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        cache.add(seq)
+    assert counts(cache.trie) == brute_counts([[4, 5, 6], [7, 8, 9]], 4)
+    by_tokens = SuffixCache(config(max_cached_tokens=7, max_tree_depth=4))
+    for seq in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        by_tokens.add(seq)
+    assert by_tokens.tokens == 6 and counts(by_tokens.trie) == brute_counts([[4, 5, 6], [7, 8, 9]], 4)
+
+
+def request(tokens, prompt_len, extra_args=None):
+    return SimpleNamespace(drafter_state={}, token_ids=list(tokens), prompt_len=prompt_len,
+                           sampling_params=SamplingParams(extra_args=extra_args))
+
+
+def test_a_request_drafts_from_itself_and_from_finished_requests_unless_they_opted_out():
+    drafter = SuffixDrafter(config(max_spec_factor=4.0), target=None)
+    first = request([1, 2, 3, 4, 5, 6, 7, 8], prompt_len=3)
+    assert drafter.prepare_draft_tokens([first], [8], [8]) == [None]  # nothing ever followed 8
+    drafter.on_request_finished(first)  # its output 4..8 enters the cache
+    second = request([9, 4, 5], prompt_len=3)
+    (proposal,) = drafter.prepare_draft_tokens([second], [8], [8])
+    assert proposal.token_ids == [6, 7, 8] and proposal.kind == 2
+    own = request([4, 5, 11, 12, 4, 5], prompt_len=6)  # its own "4 5 -> 11 12" beats the cache's
+    assert drafter.prepare_draft_tokens([own], [2], [8])[0].token_ids[:2] in ([11, 12], [6, 7])
+    private = SuffixDrafter(config(), target=None)
+    private.on_request_finished(request([1, 2, 3, 4, 5, 6], prompt_len=2, extra_args={"suffix_cache": False}))
+    assert private.cache.tokens == 0 and private.cache.trie.nodes == 1
+
+
+def test_the_process_scope_shares_one_cache_between_drafters():
+    a = SuffixDrafter(config(cache_scope="process"), target=None)
+    b = SuffixDrafter(config(cache_scope="process"), target=None)
+    assert a.cache is b.cache and SuffixDrafter(config(), target=None).cache is not a.cache
+
+
+def test_conformance():
+    testing.check_registration("suffix", distribution="specdec-plugin-suffix")
+    testing.check_config_round_trip({"decoding_type": "suffix", "max_draft_len": 8, "max_spec_factor": 2.0,
+                                     "max_cached_requests": 10, "cache_prompts": True, "cache_scope": "process"})
+
+
+AGENT_TURNS = [
+    "Write a Python function `area(w, h)` returning w * h, with a docstring.",
+    "Now write the same function again but name it `rect_area`, keeping the docstring.",
+    "Write the function `area(w, h)` once more, exactly as before.",
+]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(dtype="float32")
+
+
+def test_greedy_lossless_alone_batched_and_with_the_cache_warm(plain):
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    chats = [[{"role": "user", "content": t}] for t in AGENT_TURNS]
+    want = [o.token_ids for o in plain.chat(chats, params)]
+    spec = LLM(dtype="float32", speculative_config={"decoding_type": "suffix", "adaptive": False})
+    alone = [spec.chat(c, params)[0] for c in chats]  # each turn after the last: the cache warms
+    assert [o.token_ids for o in alone] == want
+    assert sum(o.metrics.num_accepted_tokens for o in alone[1:]) > 0
+    batched = spec.chat(chats + chats, params)  # the cache warm, the turns side by side
+    assert [o.token_ids for o in batched] == want + want
+    assert sum(o.metrics.num_accepted_tokens for o in batched) > sum(o.metrics.num_accepted_tokens for o in alone)
+
+
+def test_sampling_follows_target_distribution_through_core_sampler(tmp_path):
+    """A prompt ending in a repeated pattern, so the request's own trie drafts."""
+    _, accepted = testing.check_sampling_lossless({"decoding_type": "suffix", "max_draft_len": 2,
+                                                   "max_spec_factor": 2.0},
+                                                  testing.tiny_model_dir(tmp_path, vocab_size=32),
+                                                  prompt=[3, 4, 5, 6, 3, 4, 5, 6, 3, 4])
+    assert accepted > 0
