@@ -20,11 +20,12 @@ tokens are drafted, never which are kept: output is the target's.
 
 Options (defaults in brackets):
     max_draft_len [16]: deepest draft.
-    max_tree_depth [32]: longest substring counted (match plus continuation).
-    max_match_len [16]: longest suffix matched.
+    max_tree_depth [24]: longest substring counted (match plus continuation).
+    max_match_len [12]: longest suffix matched.
     max_spec_factor [1.0], max_spec_offset [0.0]: draft nodes per matched token, and added.
     min_token_prob [0.1]: least path frequency a drafted node has.
-    max_cached_requests [1000], max_cached_tokens [1000000]: the cache's bound.
+    max_cached_requests [1000], max_cached_tokens [200000]: the cache's bound (about 1 KB
+        a cached token at the default depth: ``scripts/bench_suffix_cache.py``).
     cache_prompts [false]: whether prompts enter the cache too.
     cache_scope [engine]: ``engine`` or ``process`` (see above).
 """
@@ -49,13 +50,13 @@ LONGEST_KIND = 8
 @attrs.frozen(kw_only=True)
 class SuffixConfig(SpeculativeConfig):
     max_draft_len: int = attrs.field(default=16, validator=in_range(1, 64))
-    max_tree_depth: int = attrs.field(default=32, validator=in_range(2, 256))
-    max_match_len: int = attrs.field(default=16, validator=in_range(1, 255))
+    max_tree_depth: int = attrs.field(default=24, validator=in_range(2, 256))
+    max_match_len: int = attrs.field(default=12, validator=in_range(1, 255))
     max_spec_factor: float = attrs.field(default=1.0, validator=in_range(0.0, 64.0))
     max_spec_offset: float = attrs.field(default=0.0, validator=in_range(-64.0, 64.0))
     min_token_prob: float = attrs.field(default=0.1, validator=in_range(0.0, 1.0))
     max_cached_requests: int = attrs.field(default=1000, validator=in_range(0, None))
-    max_cached_tokens: int = attrs.field(default=1_000_000, validator=in_range(0, None))
+    max_cached_tokens: int = attrs.field(default=200_000, validator=in_range(0, None))
     cache_prompts: bool = False
     cache_scope: Literal["engine", "process"] = attrs.field(
         default="engine", validator=attrs.validators.in_(("engine", "process")))

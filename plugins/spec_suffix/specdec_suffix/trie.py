@@ -15,11 +15,48 @@ import heapq
 
 
 class Node:
-    __slots__ = ("count", "children")
+    """A counted substring. ``kids`` is ``None`` (a leaf: most nodes), the one child (a
+    substring followed by one token only: most of the rest), or a dict token -> child; a
+    child knows its ``token``. Small nodes are what bound a cache's bytes per token."""
 
-    def __init__(self) -> None:
+    __slots__ = ("token", "count", "kids")
+
+    def __init__(self, token: int) -> None:
+        self.token = token
         self.count = 0
-        self.children: dict[int, Node] = {}
+        self.kids: Node | dict[int, Node] | None = None
+
+    def child(self, token: int) -> Node | None:
+        kids = self.kids
+        if kids is None:
+            return None
+        if type(kids) is Node:
+            return kids if kids.token == token else None
+        return kids.get(token)
+
+    def children(self) -> list[Node]:
+        kids = self.kids
+        return [] if kids is None else [kids] if type(kids) is Node else list(kids.values())
+
+    def add_child(self, token: int) -> Node:
+        node = Node(token)
+        kids = self.kids
+        if kids is None:
+            self.kids = node
+        elif type(kids) is Node:
+            self.kids = {kids.token: kids, token: node}
+        else:
+            kids[token] = node
+        return node
+
+    def drop_child(self, token: int) -> None:
+        kids = self.kids
+        if type(kids) is Node:
+            self.kids = None
+        else:
+            del kids[token]
+            if len(kids) == 1:
+                self.kids = next(iter(kids.values()))
 
 
 class SuffixTrie:
@@ -27,7 +64,7 @@ class SuffixTrie:
 
     def __init__(self, depth: int):
         self.depth = depth
-        self.root = Node()
+        self.root = Node(-1)
         self.nodes = 1
 
     def extend(self, open_nodes: list[Node], tokens: list[int], sign: int = 1) -> list[Node]:
@@ -37,15 +74,15 @@ class SuffixTrie:
         for token in tokens:
             extended = []
             for node in [self.root, *open_nodes]:
-                child = node.children.get(token)
+                child = node.child(token)
                 if child is None:
                     if sign < 0:
                         continue
-                    child = node.children[token] = Node()
+                    child = node.add_child(token)
                     self.nodes += 1
                 child.count += sign
                 if child.count <= 0:
-                    del node.children[token]
+                    node.drop_child(token)
                     self.nodes -= _size(child)
                     continue
                 extended.append(child)
@@ -74,7 +111,7 @@ class SuffixTrie:
     def _walk(self, tokens: list[int]) -> Node | None:
         node = self.root
         for token in tokens:
-            node = node.children.get(token)
+            node = node.child(token)
             if node is None:
                 return None
         return node
@@ -88,7 +125,7 @@ class SuffixTrie:
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
-        heap = [(-c.count / node.count, tok, -1, 1, c) for tok, c in node.children.items()]
+        heap = [(-c.count / node.count, c.token, -1, 1, c) for c in node.children()]
         heapq.heapify(heap)
         while heap and len(tokens) < max_nodes:
             neg, tok, parent, depth, child = heapq.heappop(heap)
@@ -99,11 +136,11 @@ class SuffixTrie:
             scores.append(-neg)
             if depth < max_depth:
                 index = len(tokens) - 1
-                for t, c in child.children.items():
-                    heapq.heappush(heap, (neg * c.count / child.count, t, index, depth + 1, c))
+                for c in child.children():
+                    heapq.heappush(heap, (neg * c.count / child.count, c.token, index, depth + 1, c))
         return tokens, parents, scores
 
 
 def _size(node: Node) -> int:
     """Nodes under and including ``node``."""
-    return 1 + sum(_size(c) for c in node.children.values())
+    return 1 + sum(_size(c) for c in node.children())
