@@ -6,13 +6,14 @@ output, updated as tokens are accepted) and the cache, shared by the requests of
 drafter (``cache_scope: engine``: one ``LLM``, one server) or of every drafter of the
 process on the same model (``process``), which holds the outputs (and with
 ``cache_prompts`` the prompts) of finished requests, the least recently finished forgotten
-first beyond ``max_cached_requests`` or ``max_cached_tokens``. Each step the longest suffix
-of the request that a trie knows is matched, and the tree of its continuations is drafted
-best first, a node scored by the product of its path's frequencies, nodes below
-``min_token_prob`` left out. The tree has at most ``max_spec_factor * match + max_spec_offset``
-nodes (a long match is trusted further), within the planner's budget; of the two tries'
-trees the one with the larger total score is proposed. A proposal's ``kind`` is its match
-length (capped at 8), so the planner learns how deep each kind pays.
+first beyond ``max_cached_requests`` or ``max_cached_tokens``. Each step every suffix of
+the request that a trie knows (up to ``max_match_len`` tokens) gives a tree of its
+continuations, drafted best first, a node scored by the product of its path's frequencies,
+nodes below ``min_token_prob`` left out, at most ``max_spec_factor * match +
+max_spec_offset`` nodes (a long match is trusted further) within the planner's budget; of
+all these trees, in both tries, the one with the largest total score is proposed. A
+proposal's ``kind`` is its match length (capped at 8), so the planner learns how deep each
+kind pays.
 
 A request whose ``SamplingParams.extra_args`` holds ``{"suffix_cache": False}`` never
 enters the cache (it still drafts from it and from itself). The cache changes which
@@ -116,12 +117,20 @@ class SuffixDrafter(Drafter):
         return trie
 
     def _propose(self, trie: SuffixTrie, context: list[int], depth: int, nodes: int):
-        node, matched = trie.match(context, self.config.max_match_len)
-        if node is None:
-            return None
-        budget = min(nodes, int(self.config.max_spec_factor * matched + self.config.max_spec_offset))
-        tokens, parents, scores = trie.draft(node, budget, depth, self.config.min_token_prob)
-        return (sum(scores), tokens, parents, matched) if tokens else None
+        """The best-scoring tree over every suffix of ``context`` that ``trie`` knows, as the
+        reference does (a shorter match with more agreeing continuations can beat the
+        longest): (score, tokens, parents, match length), or None."""
+        _, longest = trie.match(context, self.config.max_match_len)
+        best = None
+        for matched in range(longest, 0, -1):
+            budget = min(nodes, int(self.config.max_spec_factor * matched + self.config.max_spec_offset + 1e-6))
+            if budget <= 0:
+                break  # shorter matches get no more nodes
+            tokens, parents, scores = trie.draft(trie.node_of(context[len(context) - matched:]), budget, depth,
+                                                 self.config.min_token_prob)
+            if tokens and (best is None or sum(scores) > best[0]):
+                best = (sum(scores), tokens, parents, matched)
+        return best
 
     @hookimpl
     def prepare_draft_tokens(self, requests, draft_lens, max_nodes):

@@ -108,6 +108,10 @@ class SuffixTrie:
                 best, lo = (node, mid), mid + 1
         return best if best is not None else (None, 0)
 
+    def node_of(self, tokens: list[int]) -> Node | None:
+        """The node of ``tokens`` (None where they never occurred)."""
+        return self._walk(tokens)
+
     def _walk(self, tokens: list[int]) -> Node | None:
         node = self.root
         for token in tokens:
