@@ -149,3 +149,14 @@ def test_sampling_follows_target_distribution_through_core_sampler(tmp_path):
                                                   testing.tiny_model_dir(tmp_path, vocab_size=32),
                                                   prompt=[3, 4, 5, 6, 3, 4, 5, 6, 3, 4])
     assert accepted > 0
+
+
+def test_a_server_request_opts_out_with_extra_args():
+    """The OpenAI body's ``extra_args`` (vLLM's field) reaches the request's SamplingParams."""
+    from specdec.openai_protocol import ChatRequest, sampling_params_of
+
+    body = ChatRequest(model="any", messages=[{"role": "user", "content": "hi"}],
+                       extra_args={"suffix_cache": False})
+    assert sampling_params_of(body, SamplingParams()).extra_args == {"suffix_cache": False}
+    plain = ChatRequest(model="any", messages=[{"role": "user", "content": "hi"}])
+    assert sampling_params_of(plain, SamplingParams()).extra_args is None
