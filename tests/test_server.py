@@ -47,9 +47,22 @@ def test_models_and_health(server):
 def test_the_server_resolves_its_engine_as_llm_does(tmp_path, smol):
     """`specdec serve` with no options runs the engine ``LLM()`` builds with none: the same
     quantization, compile, batch invariance, threads and dtype (its /health says which)."""
+    import subprocess
+    import sys
+
+    import torch
+
     from specdec.async_engine import engine_info
 
-    default = engine_info(LLM(engine={"compile": False}))
+    # the server is a fresh process with torch's own thread count; the suite's workers set theirs
+    fresh = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                               capture_output=True, text=True, check=True).stdout)
+    ours = torch.get_num_threads()
+    torch.set_num_threads(fresh)
+    try:
+        default = engine_info(LLM(engine={"compile": False}))
+    finally:
+        torch.set_num_threads(ours)
     with running_server("engine: {compile: false}\n", tmp_path) as base:
         served = httpx.get(f"{base}/health").json()["engine"]
     assert served == default.resolved and served["quantization"] == "w4a8"

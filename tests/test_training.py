@@ -251,7 +251,7 @@ def test_the_gpu_recipe_runs_end_to_end_at_tiny_scale(tmp_path):
     script = Path(__file__).resolve().parent.parent / "scripts" / "train_recipe.py"
     subprocess.run([sys.executable, str(script), "--scale", "tiny", "--out", str(tmp_path), "--methods", "eagle3",
                     "medusa", "--device", "cpu", "--public", str(public)], check=True, capture_output=True,
-                   timeout=600)
+                   timeout=850)  # 92 s alone, 413 s beside the suite's other worker on CI's 2 cores
     prompts = [json.loads(line)["prompt"] for line in (tmp_path / "run" / "prompts.jsonl").read_text().splitlines()]
     assert sorted(p for p in prompts if p in ("Name three rivers.", "Add the numbers.\n\n2, 3")) == [
         "Add the numbers.\n\n2, 3", "Name three rivers."]  # once each, the answers never kept
