@@ -40,6 +40,6 @@ def test_a_seeded_answer_is_plain_samplings_alone_and_in_a_crowd(plain, method):
     # in a crowd: unseeded requests of other lengths beside them, the seeded ones twice
     crowd = PROMPTS + OTHERS + PROMPTS
     outs = llm.chat([[{"role": "user", "content": p}] for p in crowd],
-                    [seeded[k % len(PROMPTS)](0) if p in PROMPTS else params(k) for k, p in enumerate(crowd)])
+                    [seeded[PROMPTS.index(p)](0) if p in PROMPTS else params(k) for k, p in enumerate(crowd)])
     assert [o.token_ids for o, p in zip(outs, crowd) if p in PROMPTS] == expected * 2
     assert len({tuple(e) for e in expected}) == len(expected)
