@@ -10,7 +10,9 @@ first beyond ``max_cached_requests`` or ``max_cached_tokens``. Each step every s
 the request that a trie knows (up to ``max_match_len`` tokens) gives a tree of its
 continuations, drafted best first, a node scored by the product of its path's frequencies,
 nodes below ``min_token_prob`` left out, at most ``max_spec_factor * match +
-max_spec_offset`` nodes (a long match is trusted further) within the planner's budget; of
+max_spec_offset`` nodes (a long match is trusted further) and no more nodes than the depth
+the planner chose, as the reference caps a tree by the speculative token count (a tree
+then costs what the chain the planner priced would, and holds the likeliest paths); of
 all these trees, in both tries, the one with the largest total score is proposed. A
 proposal's ``kind`` is its match length (capped at 8), so the planner learns how deep each
 kind pays.
@@ -123,7 +125,7 @@ class SuffixDrafter(Drafter):
         _, longest = trie.match(context, self.config.max_match_len)
         best = None
         for matched in range(longest, 0, -1):
-            budget = min(nodes, int(self.config.max_spec_factor * matched + self.config.max_spec_offset + 1e-6))
+            budget = min(nodes, depth, int(self.config.max_spec_factor * matched + self.config.max_spec_offset + 1e-6))
             if budget <= 0:
                 break  # shorter matches get no more nodes
             tokens, parents, scores = trie.draft(trie.node_of(context[len(context) - matched:]), budget, depth,

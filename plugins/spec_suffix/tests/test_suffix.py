@@ -98,6 +98,8 @@ def test_a_request_drafts_from_itself_and_from_finished_requests_unless_they_opt
     second = request([9, 4, 5], prompt_len=3)
     (proposal,) = drafter.prepare_draft_tokens([second], [8], [8])
     assert proposal.token_ids == [6, 7, 8] and proposal.kind == 2
+    # a tree holds no more nodes than the depth the planner chose (the chain it priced)
+    assert drafter.prepare_draft_tokens([second], [2], [8])[0].token_ids == [6, 7]
     own = request([4, 5, 11, 12, 4, 5], prompt_len=6)  # its own "4 5 -> 11 12" beats the cache's
     assert drafter.prepare_draft_tokens([own], [2], [8])[0].token_ids[:2] in ([11, 12], [6, 7])
     private = SuffixDrafter(config(), target=None)
