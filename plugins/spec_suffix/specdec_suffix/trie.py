@@ -101,7 +101,7 @@ class SuffixTrie:
         lo, hi, best = 1, min(longest, len(context), self.depth - 1), None
         while lo <= hi:
             mid = (lo + hi) // 2
-            node = self._walk(context[len(context) - mid:])
+            node = self.node_of(context[len(context) - mid:])
             if node is None:
                 hi = mid - 1
             else:
@@ -110,9 +110,6 @@ class SuffixTrie:
 
     def node_of(self, tokens: list[int]) -> Node | None:
         """The node of ``tokens`` (None where they never occurred)."""
-        return self._walk(tokens)
-
-    def _walk(self, tokens: list[int]) -> Node | None:
         node = self.root
         for token in tokens:
             node = node.child(token)
