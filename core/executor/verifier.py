@@ -6,9 +6,8 @@ token of the target's own (the bonus or correction token): greedy requests by ar
 recursive rejection sampling, so output follows the target's distribution; a request with
 a seed by the target's own draw at each position from numbers that depend on the seed and
 the position alone, so the same seed gives the same output however it was drafted or
-batched. An opt-in
-lossy acceptance rule (Medusa's typical, MTP's relaxed acceptance) verifies what is in its
-scope and marks the request not lossless. A prompt chunk that ends the prompt draws the
+batched. An opt-in lossy acceptance rule (Medusa's typical, MTP's relaxed acceptance)
+verifies what is in its scope and marks the request not lossless. A prompt chunk that ends the prompt draws the
 first output token. A request with structured output has its rows masked first, each to
 the tokens its grammar allows after that row's path, so every rule verifies against the
 constrained target.
