@@ -64,6 +64,7 @@ def drafter_directory(source: str | None, target, shipped: Path, method: str, wh
 
 
 def read_config(directory: str | Path) -> dict:
+    """A drafter directory's ``config.json``; a missing or unreadable one is an error naming it."""
     directory = Path(directory)
     path = directory / "config.json"
     if not path.is_file():
@@ -119,6 +120,7 @@ def _expand_int8(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, torc
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``tensors`` as one safetensors file (contiguous CPU copies, as the format needs)."""
     from safetensors.torch import save_file
 
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
@@ -147,6 +149,7 @@ def save_draft_vocab(directory: Path, token_ids: torch.Tensor) -> None:
 
 
 def load_draft_vocab(directory: Path, vocab_size: int) -> torch.Tensor | None:
+    """The reduced drafting vocabulary saved in ``directory`` (target ids), or None if it has none."""
     path = directory / DRAFT_VOCAB_FILE
     if not path.exists():
         return None

@@ -152,6 +152,7 @@ def load_tokenizer(path: Path):
 
 
 def load_causal_lm(path: Path, dtype: torch.dtype, device: torch.device):
+    """The transformers causal LM in ``path`` (local files only), on ``device`` in eval mode."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -3,7 +3,8 @@
 ``<!-- configuration -->`` becomes one table per configuration class (its attrs fields,
 types, defaults, and the descriptions of its docstring's ``Attributes:`` section), and one
 per installed method's own options; ``<!-- hooks -->`` becomes every hook specification
-of :mod:`specdec.hookspecs` with its signature and docstring.
+of :mod:`specdec.hookspecs` with its signature and docstring; ``<!-- plugin_api -->`` every
+name of :mod:`specdec.plugin_api`, grouped as its ``__all__`` groups them.
 """
 
 from __future__ import annotations
@@ -100,9 +101,30 @@ def hooks_reference() -> str:
     return "\n".join(parts)
 
 
+def plugin_api_reference() -> str:
+    """One table per group of :mod:`specdec.plugin_api`'s ``__all__``, in its order, with the
+    first paragraph of each name's docstring (a constant: its value)."""
+    from specdec import plugin_api
+
+    source = inspect.getsource(plugin_api).split("__all__ = [", 1)[1]
+    parts = []
+    for group, names in re.findall(r"# (.+)\n((?:\s+\".*\n)+)", source):
+        rows = [f"### {group[0].upper()}{group[1:]}", "", "| name | defined in | what it is |", "|---|---|---|"]
+        for name in re.findall(r'"(\w+)"', names):
+            value = getattr(plugin_api, name)
+            home = getattr(value, "__module__", None) or "-"
+            doc = (inspect.getdoc(value) or "") if callable(value) else f"``{value!r}``"
+            summary = _markdown(doc.split("\n\n", 1)[0].replace("\n", " ")).replace("|", "\\|")
+            rows.append(f"| `{name}` | {home if home == '-' else f'`{home}`'} | {summary} |")
+        parts.append("\n".join(rows) + "\n")
+    return "\n".join(parts)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if "<!-- configuration -->" in markdown:
         markdown = markdown.replace("<!-- configuration -->", configuration_reference())
     if "<!-- hooks -->" in markdown:
         markdown = markdown.replace("<!-- hooks -->", hooks_reference())
+    if "<!-- plugin_api -->" in markdown:
+        markdown = markdown.replace("<!-- plugin_api -->", plugin_api_reference())
     return markdown

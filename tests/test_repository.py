@@ -1,12 +1,14 @@
 """The repository's own rules, checked by the tools made for them: layers that import
-downward only (import-linter), lint and import order (ruff), and a documentation site
-that builds without warnings (mkdocs --strict)."""
+downward only and plugins that import the core through its plugin API only (import-linter),
+lint and import order (ruff), and a documentation site that builds without warnings
+(mkdocs --strict)."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 import attrs
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -19,6 +21,19 @@ def run(*command: str) -> subprocess.CompletedProcess:
 def test_layers_import_downward_only():
     result = run(str(BIN / "lint-imports"), "--no-cache")
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_every_installed_plugin_is_held_to_the_plugin_api():
+    """The contract names plugin packages one by one (import-linter has no "all but one
+    module" rule), so a plugin added without joining it would import the core freely."""
+    from importlib.metadata import entry_points
+
+    linter = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    contract = next(c for c in linter["contracts"] if c["name"].startswith("Plugins import the core"))
+    packages = {e.value.split(".")[0].split(":")[0] for e in entry_points(group="specdec.plugins")} - {"specdec"}
+    assert "specdec_eagle" in packages and "specdec_example_drafter" in packages
+    assert packages <= set(contract["source_modules"]), packages - set(contract["source_modules"])
+    assert packages <= set(linter["root_packages"])
 
 
 def test_ruff_finds_nothing():
@@ -42,3 +57,9 @@ def test_the_documentation_builds_strictly(tmp_path):
     for name in ("register_decoding_types", "prepare_draft_tokens", "build_tree_mask", "on_draft_verified"):
         assert name in hooks and hasattr(hookspecs, name)
     assert "Called once per process" in hooks
+    plugin_api = (site / "reference" / "plugin_api" / "index.html").read_text()
+    from specdec import plugin_api as api
+
+    for name in api.__all__:
+        assert f"<code>{name}</code>" in plugin_api, name
+    assert "One drafting method, as a plugin registers it." in plugin_api  # DecodingType's docstring

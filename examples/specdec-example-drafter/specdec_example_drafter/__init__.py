@@ -10,8 +10,7 @@ from collections import Counter, defaultdict
 import attrs
 import torch
 
-from specdec import DecodingType, Drafter, DraftProposal, hookimpl
-from specdec.config import SpeculativeConfig, in_range
+from specdec.plugin_api import DecodingType, Drafter, DraftProposal, SpeculativeConfig, hookimpl, in_range
 
 
 @attrs.frozen(kw_only=True)

@@ -26,13 +26,29 @@ import copy
 import attrs
 import torch
 
-from specdec import DecodingType, Drafter, DraftProposal, TargetModel, hookimpl
-from specdec.config import SpeculativeConfig, in_range
-from specdec.draft_checkpoint import SECTION, check_target, head_rows, load_draft_vocab, read_config
-from specdec.draft_runner import DraftInput, DraftRunner, causal_lm_forward
-from specdec.errors import ModelLoadError
-from specdec.models import EMBEDDED_NAME, load_causal_lm, load_tokenizer, resolve_model_dir
-from specdec.sampler import pick_draft_token
+from specdec.plugin_api import (
+    EMBEDDED_NAME,
+    SECTION,
+    DecodingType,
+    Drafter,
+    DraftInput,
+    DraftProposal,
+    DraftRunner,
+    ModelLoadError,
+    SpeculativeConfig,
+    TargetModel,
+    causal_lm_forward,
+    check_target,
+    head_rows,
+    hookimpl,
+    in_range,
+    load_causal_lm,
+    load_draft_vocab,
+    load_tokenizer,
+    pick_draft_token,
+    read_config,
+    resolve_model_dir,
+)
 
 from .checkpoint import SHIPPED_DRAFT, load_trained_draft
 from .trainer import DraftTargetTrainer

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from specdec import TargetParts
-from specdec.draft_checkpoint import (
+from specdec.plugin_api import (
     SECTION,
+    TargetParts,
     load_state_checked,
     load_tensors,
     read_config,

@@ -14,16 +14,18 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from specdec.draft_checkpoint import (
+from specdec.plugin_api import (
     SECTION,
+    MethodTrainer,
+    TrainBatch,
     check_target,
+    draft_vocabulary,
     drafter_directory,
     load_state_checked,
     load_tensors,
     read_config,
     target_signature,
 )
-from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary
 
 from .checkpoint import SHIPPED_DRAFT, WEIGHTS, build_draft_model, save_trained_draft, shared_prefixes
 

@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import attrs
 
-from specdec import DecodingType, hookimpl
-from specdec.config import TreeDraftConfig, in_range
-from specdec.errors import FieldError
-from specdec.tree import StaticTree
+from specdec.plugin_api import DecodingType, FieldError, StaticTree, TreeDraftConfig, hookimpl, in_range
 
 from .checkpoint import SHIPPED_HEADS, load_head, save_head
 from .drafter import Eagle3Drafter, EagleDrafter

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from specdec.draft_checkpoint import (
+from specdec.plugin_api import (
     SECTION,
+    ModelLoadError,
     check_target,
     load_state_checked,
     load_tensors,
@@ -35,7 +36,6 @@ from specdec.draft_checkpoint import (
     save_draft_vocab,
     save_tensors,
 )
-from specdec.errors import ModelLoadError
 
 from .modules import Eagle1Head, Eagle3Head, EagleHead
 

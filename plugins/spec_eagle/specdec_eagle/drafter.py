@@ -4,10 +4,7 @@ EAGLE-2 dynamic tree."""
 
 from __future__ import annotations
 
-from specdec.draft_checkpoint import drafter_directory, restricted_head
-from specdec.draft_runner import draft_attention
-from specdec.errors import FieldError
-from specdec.feature_drafter import FeatureDrafter
+from specdec.plugin_api import FeatureDrafter, FieldError, draft_attention, drafter_directory, restricted_head
 
 from .checkpoint import SHIPPED_HEADS, load_head
 

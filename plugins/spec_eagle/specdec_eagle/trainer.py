@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft_checkpoint import drafter_directory, target_signature
-from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary, training_time_test
+from specdec.plugin_api import (
+    MethodTrainer,
+    TrainBatch,
+    draft_vocabulary,
+    drafter_directory,
+    target_signature,
+    training_time_test,
+)
 
 from .checkpoint import SHIPPED_HEADS, default_capture_layers, head_config, load_head, save_head
 from .modules import Eagle1Head, Eagle3Head

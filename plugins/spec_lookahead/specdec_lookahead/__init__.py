@@ -24,9 +24,17 @@ import zlib
 import attrs
 import torch
 
-from specdec import DecodingType, Drafter, DraftProposal, TreeMask, hookimpl
-from specdec.config import SpeculativeConfig, in_range
-from specdec.tree import ancestor_mask, prefix_trie
+from specdec.plugin_api import (
+    DecodingType,
+    Drafter,
+    DraftProposal,
+    SpeculativeConfig,
+    TreeMask,
+    ancestor_mask,
+    hookimpl,
+    in_range,
+    prefix_trie,
+)
 
 
 @attrs.frozen(kw_only=True)

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import attrs
 
-from specdec import DecodingType, hookimpl
-from specdec.config import SpeculativeConfig, in_range
-from specdec.sampler.lossy import TypicalAcceptance
-from specdec.tree import StaticTree
+from specdec.plugin_api import DecodingType, SpeculativeConfig, StaticTree, TypicalAcceptance, hookimpl, in_range
 
 from .checkpoint import SHIPPED_HEADS, load_heads, save_heads
 from .drafter import MedusaDrafter

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from specdec import DraftProposal, hookimpl
-from specdec.draft_checkpoint import drafter_directory
-from specdec.errors import FieldError
-from specdec.last_state import LastStateDrafter
-from specdec.sampler import pick_draft_token
+from specdec.plugin_api import (
+    DraftProposal,
+    FieldError,
+    LastStateDrafter,
+    drafter_directory,
+    hookimpl,
+    pick_draft_token,
+)
 
 from .checkpoint import SHIPPED_HEADS, load_heads
 

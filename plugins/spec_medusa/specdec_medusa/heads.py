@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.layers import ResBlock
+from specdec.plugin_api import ResBlock
 
 
 class MedusaHeads(nn.ModuleList):

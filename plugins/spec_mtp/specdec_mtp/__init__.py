@@ -36,10 +36,7 @@ from __future__ import annotations
 
 import attrs
 
-from specdec import DecodingType, hookimpl
-from specdec.config import TreeDraftConfig, in_range
-from specdec.errors import FieldError
-from specdec.sampler.lossy import RelaxedAcceptance
+from specdec.plugin_api import DecodingType, FieldError, RelaxedAcceptance, TreeDraftConfig, hookimpl, in_range
 
 from .checkpoint import SHIPPED_MODULE, load_module, save_module
 from .drafter import MTPDrafter

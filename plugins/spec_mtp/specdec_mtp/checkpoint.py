@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.draft_checkpoint import (
+from specdec.plugin_api import (
     SECTION,
+    ModelLoadError,
     check_target,
     drafter_directory,
     load_state_checked,
@@ -28,7 +29,6 @@ from specdec.draft_checkpoint import (
     read_config,
     save_tensors,
 )
-from specdec.errors import ModelLoadError
 
 from .model import REQUIRED, MTPModule
 

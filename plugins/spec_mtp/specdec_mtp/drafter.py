@@ -4,9 +4,7 @@ autoregressively, each step reading the ``h'`` of the step before."""
 
 from __future__ import annotations
 
-from specdec.draft_checkpoint import restricted_head
-from specdec.feature_drafter import FeatureDrafter
-from specdec.target_model import ATTENTION_NAME
+from specdec.plugin_api import ATTENTION_NAME, FeatureDrafter, restricted_head
 
 from .checkpoint import load_module, module_directory
 from .model import build_module

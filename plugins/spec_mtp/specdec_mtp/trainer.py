@@ -17,8 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft_checkpoint import drafter_directory, save_draft_vocab, target_signature
-from specdec.training import UNROLLED_ATTENTION, MethodTrainer, TrainBatch, draft_vocabulary, training_time_test
+from specdec.plugin_api import (
+    UNROLLED_ATTENTION,
+    MethodTrainer,
+    TrainBatch,
+    draft_vocabulary,
+    drafter_directory,
+    save_draft_vocab,
+    target_signature,
+    training_time_test,
+)
 
 from .checkpoint import SHIPPED_MODULE, load_module, save_module
 from .model import build_module

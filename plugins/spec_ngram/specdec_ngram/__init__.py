@@ -33,9 +33,7 @@ from collections import OrderedDict, deque
 
 import attrs
 
-from specdec import DecodingType, Drafter, DraftProposal, hookimpl
-from specdec.config import SpeculativeConfig, in_range
-from specdec.errors import FieldError
+from specdec.plugin_api import DecodingType, Drafter, DraftProposal, FieldError, SpeculativeConfig, hookimpl, in_range
 
 #: tokens before a draft that agree with its place, from which the request counts as
 #: copying: coincidental three-token matches of a request that does not copy are a kind of

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import attrs
 
-from specdec import DecodingType, hookimpl
-from specdec.config import SpeculativeConfig, in_range
-from specdec.errors import FieldError
+from specdec.plugin_api import DecodingType, FieldError, SpeculativeConfig, hookimpl, in_range
 
 from .checkpoint import SHIPPED_DRAFTER, load_drafter, save_drafter
 from .drafter import ReDrafterDrafter

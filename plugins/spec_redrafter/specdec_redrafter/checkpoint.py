@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.draft_checkpoint import SECTION, check_target, load_tensors, read_config, save_tensors
-from specdec.errors import ModelLoadError
+from specdec.plugin_api import SECTION, ModelLoadError, check_target, load_tensors, read_config, save_tensors
 
 from .model import MODEL_TYPE, DrafterShape, RecurrentDrafter
 

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from specdec import DraftProposal, hookimpl
-from specdec.draft_checkpoint import drafter_directory
-from specdec.last_state import LastStateDrafter
-from specdec.sampler import pick_draft_token
-from specdec.tree import prefix_trie
+from specdec.plugin_api import (
+    DraftProposal,
+    LastStateDrafter,
+    drafter_directory,
+    hookimpl,
+    pick_draft_token,
+    prefix_trie,
+)
 
 from .checkpoint import SHIPPED_DRAFTER, load_drafter
 from .model import top_k_scores

@@ -22,7 +22,7 @@ import attrs
 import torch
 from torch import nn
 
-from specdec.layers import ResBlock
+from specdec.plugin_api import ResBlock
 
 #: ``model_type`` of the reference's ``DrafterConfig``.
 MODEL_TYPE = "recurrent_drafting_drafter"

@@ -15,8 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft_checkpoint import drafter_directory, load_state_checked, save_draft_vocab, target_signature
-from specdec.training import MethodTrainer, TrainBatch, draft_vocabulary
+from specdec.plugin_api import (
+    MethodTrainer,
+    TrainBatch,
+    draft_vocabulary,
+    drafter_directory,
+    load_state_checked,
+    save_draft_vocab,
+    target_signature,
+)
 
 from .checkpoint import SHIPPED_DRAFTER, load_drafter, save_drafter
 from .model import DrafterShape, RecurrentDrafter

@@ -41,8 +41,7 @@ from typing import Literal
 
 import attrs
 
-from specdec import DecodingType, Drafter, DraftProposal, hookimpl
-from specdec.config import SpeculativeConfig, in_range
+from specdec.plugin_api import DecodingType, Drafter, DraftProposal, SpeculativeConfig, hookimpl, in_range
 
 from .trie import SuffixTrie
 
