@@ -63,7 +63,7 @@ class SpeculativeConfig:
             engine measures; zero when drafts do not pay, with a one-level probe after
             ``probe_interval`` steps (twice as long after each probe that does not pay,
             up to 8x) to turn speculation back on
-            (:mod:`specdec.executor.draft_planner`). ``max_draft_len`` and
+            (:mod:`specdec.executor.planner`). ``max_draft_len`` and
             ``max_total_draft_tokens`` are the upper bounds. Setting
             ``draft_len_schedule`` or ``min_acceptance_rate`` replaces it with those
             manual rules; ``false`` drafts ``max_draft_len`` every step (what a
@@ -179,7 +179,7 @@ class TreeDraftConfig(SpeculativeConfig):
     def chain_or_tree(self) -> bool:
         """A dynamic tree's drafter grows a chain when it is given no more nodes than
         levels, so the adaptive planner chooses, each step and request, between the chain
-        and the tree (:class:`specdec.executor.draft_planner.DraftPlanner`)."""
+        and the tree (:class:`specdec.executor.planner.DraftPlanner`)."""
         return self.use_dynamic_tree
 
     def node_budget(self) -> int:

@@ -363,15 +363,12 @@ def embedded_plain_chat() -> tuple:
 
 
 def steady_costs(llm, step: float = 0.03, per_token: float = 5e-4, per_level: float = 2e-3) -> None:
-    """Make ``llm``'s adaptive planner learn step and drafting times from a fixed cost model
-    (``step + per_token * tokens`` seconds a step, ``per_level`` a drafted level) in place of
-    the clock, so that a test of its decisions does not depend on the machine's load. The
-    defaults are a CPU's shape: weights streamed once per step, extra rows nearly free."""
-    planner = llm.engine.planner
-    observe_step, observe_drafting = planner.observe_step, planner.observe_drafting
-    planner.observe_step = lambda tokens, work, seconds, widest: observe_step(
-        tokens, work, step + per_token * tokens, widest)
-    planner.observe_drafting = lambda depth, seconds, trees: observe_drafting(depth, per_level * depth, trees)
+    """Give ``llm``'s adaptive planner a fixed cost model (``step + per_token * tokens``
+    seconds a step, ``per_level`` a drafted level) in place of the clock's, so that a test of
+    its decisions does not depend on the machine's load."""
+    from .executor.planner import FixedCosts
+
+    llm.engine.planner.costs = FixedCosts(step, per_token, per_level)
 
 
 def check_shipped_drafter(options: dict, min_length: float):

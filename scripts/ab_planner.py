@@ -9,8 +9,9 @@ with planner attributes of its own, over a prompt set in batches.
 What ``specdec bench`` does for methods, for settings that are not configuration: the
 batches are interleaved one by one in an order that rotates, and every repetition builds
 fresh engines (ngram's pool must not find the previous repetition's answers). A variant
-sets attributes of the engine's :class:`~specdec.executor.draft_planner.DraftPlanner`
-(``request_prior_weight=1``, ``probe_share=0.01``; several separated by commas). Prints
+sets attributes of the engine's :class:`~specdec.executor.planner.DraftPlanner`, or of its
+parts by a dotted name (``request_prior_weight=1``, ``probes.share=0.01``; several separated
+by commas). Prints
 each system's tokens/s, its ratio to plain, and how many of its answers equal plain's.
 """
 
@@ -28,7 +29,7 @@ from specdec.prompt_sets import PROMPTS, load_jsonl, messages
 
 
 def parse_settings(text: str) -> dict[str, float]:
-    """``name=value[,name=value]`` -> planner attributes."""
+    """``name=value[,name=value]`` -> planner attributes (dotted: of its parts)."""
     settings = {}
     for part in text.split(","):
         name, _, value = part.partition("=")
@@ -38,9 +39,13 @@ def parse_settings(text: str) -> dict[str, float]:
 
 def set_planner_attributes(llm: LLM, settings: dict[str, float]) -> None:
     for name, value in settings.items():
-        if not hasattr(llm.engine.planner, name):
+        *parts, attribute = name.split(".")
+        owner = llm.engine.planner
+        for part in parts:
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, attribute):
             raise SystemExit(f"the planner has no attribute {name!r}")
-        setattr(llm.engine.planner, name, value)
+        setattr(owner, attribute, value)
 
 
 def add_prompt_options(p: argparse.ArgumentParser) -> None:

@@ -160,8 +160,9 @@ def test_the_draft_planner_prices_the_modes_attention_as_it_runs(tiny_models, mo
     from specdec.executor import engine as engine_module
 
     monkeypatch.setattr(engine_module, "invariant_attention_is_kernel", lambda device: kernel)
-    llm = LLM(str(tiny_models["llama"]), dtype="float32", engine={"batch_invariant": True})
-    assert (llm.engine._padded_attention, llm.engine._tree_batch) == (not kernel, not kernel)
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", engine={"batch_invariant": True},
+              speculative_config={"decoding_type": "ngram"})
+    assert (llm.engine.planner.padded_attention, llm.engine.planner.tree_batch) == (not kernel, not kernel)
 
 
 @pytest.mark.skipif(DEVICE != "cpu" or not can_prepack(torch.zeros(576, 768, dtype=torch.bfloat16)),

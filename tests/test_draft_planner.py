@@ -12,7 +12,15 @@ import torch
 
 from specdec import LLM, SamplingParams, hookimpl, testing
 from specdec.drafting import DraftProposal
-from specdec.executor.draft_planner import AcceptanceStats, DraftOption, DraftPlanner, StepCostModel, best_depths
+from specdec.executor.planner import (
+    AcceptanceStats,
+    DraftOption,
+    DraftPlanner,
+    FixedCosts,
+    RequestDraftState,
+    StepCostModel,
+    best_depths,
+)
 
 
 def chain(rate: float, depth: int) -> DraftOption:
@@ -173,7 +181,7 @@ def test_cost_model_keeps_a_token_price_while_every_step_had_the_same_tokens():
 
 
 def test_attention_work_counts_the_padded_groups_the_torch_attention_runs():
-    from specdec.executor.draft_planner import StepShape, attention_work
+    from specdec.executor.planner import StepShape, attention_work
     from specdec.kernels.layout import GROUP_PAIRS
     from specdec.kernels.layout import KEY_GATHER_PAIRS as G
 
@@ -196,7 +204,7 @@ def test_draft_trees_cost_a_batch_of_their_own_in_the_batch_invariant_torch_atte
     """The invariant torch attention runs a step's trees apart from its rows (a tree of
     four beside seven decodes measured 7-12 ms more than a chain of four): the planner
     prices that where the engine runs it, and only for trees."""
-    from specdec.executor.draft_planner import StepShape, attention_work
+    from specdec.executor.planner import StepShape, attention_work
     from specdec.kernels.layout import TREE_BATCH_PAIRS
 
     sequences = [(300, 1)] * 8
@@ -301,14 +309,9 @@ class PhasedDrafter:
                 self.accepted.append((before, len(res.accepted_nodes)))
 
 
-class SyntheticCosts(StepCostModel):
+def synthetic_costs() -> FixedCosts:
     """Each verified token costs a quarter of a one-token step; drafting is free."""
-
-    def observe_step(self, num_tokens, work, seconds, widest=None):
-        pass
-
-    def step_seconds(self, num_tokens, work=0.0, widest=None):
-        return 1.0 + 0.25 * num_tokens
+    return FixedCosts(step=1.0, per_token=0.25, per_level=0.0)
 
 
 def test_speculation_switches_off_while_drafts_fail_and_back_on(tmp_path):
@@ -319,7 +322,7 @@ def test_speculation_switches_off_while_drafts_fail_and_back_on(tmp_path):
     drafter = PhasedDrafter(reference, len(prompt), bad=range(20, 70), vocab_size=128)
     llm = LLM(model=str(model), dtype="float32", speculative_config={
         "decoding_type": "user", "drafter": drafter, "max_draft_len": 4, "probe_interval": 6})
-    llm.engine.planner.costs = SyntheticCosts()
+    llm.engine.planner.costs = synthetic_costs()
     out = llm.generate([prompt], params)[0]
     assert out.token_ids == reference
     assert out.metrics.num_steps_speculation_off > 10
@@ -354,11 +357,9 @@ def test_manual_rules_replace_the_planner():
 
 
 def planner_with(costs, probe_share=0.03):
-    from specdec.executor.draft_planner import DraftPlanner
+    from specdec.executor.planner import DraftPlanner
 
-    planner = DraftPlanner(nodes_for_depth=lambda depth: depth, probe_interval=4, probe_share=probe_share)
-    planner.costs = costs
-    return planner
+    return DraftPlanner(nodes_for_depth=lambda depth: depth, probe_interval=4, probe_share=probe_share, costs=costs)
 
 
 def request(name: str):
@@ -368,15 +369,15 @@ def request(name: str):
 
 
 def test_probes_back_off_while_they_fail_and_reset_when_drafts_pay():
-    from specdec.executor.draft_planner import StepShape
+    from specdec.executor.planner import StepShape
 
-    planner, req = planner_with(SyntheticCosts(), probe_share=1e9), request("a")  # a budget that never binds
+    planner, req = planner_with(synthetic_costs(), probe_share=1e9), request("a")  # a budget that never binds
     shape = StepShape([(10, 1)], padded=True)
     for _ in range(20):
         planner.observe(req, None, depth=4, accepted=0)
     waits, since = [], 0
     for _ in range(130):  # steps: plan, and the engine's bookkeeping of a step without drafts
-        planner.observe_step(1, 0.0, 1.0, 1)
+        planner.observe_cost(1, 0.0, 1.0, 1)
         ((depth, _),) = planner.plan([req], [(4, 4)], shape)
         if depth:
             waits.append(since)
@@ -401,9 +402,9 @@ def probing_run(probe_share: float, steps: int = 400) -> tuple[float, float, set
     """Eight requests whose drafts never pay, each proposal bringing 15 aux tokens
     (lookahead's window) over a step of eight one-token sequences: the seconds the probes
     added, the seconds of all steps, and the requests probed."""
-    from specdec.executor.draft_planner import StepShape
+    from specdec.executor.planner import StepShape
 
-    costs = SyntheticCosts()
+    costs = synthetic_costs()
     planner, reqs = planner_with(costs, probe_share), [request(f"r{i}") for i in range(8)]
     planner.aux_tokens = 15.0
     shape = StepShape([(10, 1)] * 8, padded=False)
@@ -419,7 +420,7 @@ def probing_run(probe_share: float, steps: int = 400) -> tuple[float, float, set
         tokens = 8 + sum(1 + 15 for k in kept if k)
         spent += costs.step_seconds(tokens) - costs.step_seconds(8)
         elapsed += costs.step_seconds(tokens)
-        planner.observe_step(tokens, 0.0, costs.step_seconds(tokens), 16 if any(kept) else 1)
+        planner.observe_cost(tokens, 0.0, costs.step_seconds(tokens), 16 if any(kept) else 1)
         for req, k in zip(reqs, kept):
             if k:
                 probed.add(req.request_id)
@@ -437,18 +438,18 @@ def test_probes_of_a_batch_spend_at_most_their_share_of_the_step_time():
 
 
 def test_the_probe_share_halves_while_probes_do_not_pay_and_comes_back_when_drafts_do():
-    from specdec.executor.draft_planner import PROBE_SHARE_HALVINGS, StepShape
+    from specdec.executor.planner import PROBE_SHARE_HALVINGS, StepShape
 
-    planner, req = planner_with(SyntheticCosts(), probe_share=0.4), request("a")  # a step pays two probes
+    planner, req = planner_with(synthetic_costs(), probe_share=0.4), request("a")  # a step pays two probes
     shape = StepShape([(10, 1)], padded=True)
     for _ in range(20):
         planner.observe(req, None, depth=4, accepted=0)
     shares = []
     for _ in range(400):
-        planner.observe_step(1, 0.0, 1.0, 1)
+        planner.observe_cost(1, 0.0, 1.0, 1)
         ((depth, _),) = planner.plan([req], [(4, 4)], shape)
         if depth:
-            shares.append(planner.probe_share_now)
+            shares.append(planner.probes.share_now)
             (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * depth)], shape)
             planner.observe(req, None, depth=kept.depth, accepted=0)
         planner.state(req).steps_without_drafts = 0 if depth else planner.state(req).steps_without_drafts + 1
@@ -457,63 +458,59 @@ def test_the_probe_share_halves_while_probes_do_not_pay_and_comes_back_when_draf
     for _ in range(10):
         planner.observe(req, None, depth=4, accepted=4)
     (kept,) = planner.trim([req], [DraftProposal(token_ids=[5] * 4)], shape)
-    assert kept.depth == 4 and planner.probe_share_now == 0.4  # a draft kept on its merit: the whole share
+    assert kept.depth == 4 and planner.probes.share_now == 0.4  # a draft kept on its merit: the whole share
 
 
-class DearDrafting(SyntheticCosts):
+def dear_drafting() -> FixedCosts:
     """Drafting a level costs half a step (a drafter that first feeds the rows it missed):
     a draft pays before drafting only where it is nearly sure, after drafting (the time
     spent) where it is as likely as not."""
-
-    def draft_seconds(self, depth, trees=False):
-        return 0.5 * depth
+    return FixedCosts(step=1.0, per_token=0.25, per_level=0.5)
 
 
 def test_a_probe_that_looks_worth_verifying_once_drafted_is_still_a_probe():
     """A probe's draft, its drafting time spent, may be worth verifying by the estimate
     (trim); that says nothing of whether drafting pays (plan), so the probe share still
     halves and the request's next probe still waits twice as long."""
-    from specdec.executor.draft_planner import StepShape
+    from specdec.executor.planner import StepShape
 
-    planner, req = planner_with(DearDrafting(), probe_share=0.4), request("a")
+    planner, req = planner_with(dear_drafting(), probe_share=0.4), request("a")
     shape = StepShape([(10, 1)], padded=True)
     for _ in range(20):
         planner.observe(req, None, depth=1, accepted=1 if _ % 2 else 0)  # accepted half the time
     probes = []
     for _ in range(60):
-        planner.observe_step(1, 0.0, 1.0, 1)
+        planner.observe_cost(1, 0.0, 1.0, 1)
         ((depth, _),) = planner.plan([req], [(1, 1)], shape)
         if depth:
             (kept,) = planner.trim([req], [DraftProposal(token_ids=[5])], shape)
             assert kept.depth == 1  # worth verifying once drafted
-            probes.append((planner.probe_share_now, planner.state(req).probe_after))
+            probes.append((planner.probes.share_now, planner.state(req).probe_after))
         planner.state(req).steps_without_drafts = 0 if depth else planner.state(req).steps_without_drafts + 1
     assert probes[:3] == [(0.2, 8), (0.1, 16), (0.05, 32)]
 
 
 def test_each_probe_pays_for_its_drafting_and_an_untimed_drafter_is_probed_one_request_a_step():
-    from specdec.executor.draft_planner import StepShape
+    from specdec.executor.planner import StepShape
 
-    costs = DearDrafting()
+    costs = dear_drafting()
     planner, reqs = planner_with(costs, probe_share=0.4), [request(f"r{i}") for i in range(8)]
     shape = StepShape([(10, 1)] * 8, padded=True)
     for req in reqs:
         for _ in range(20):
             planner.observe(req, None, depth=1, accepted=0)
         planner.state(req).steps_without_drafts = 4  # every one due for a probe
-    planner.probe_credit = 2.0  # four probes' drafting, or two with their tokens
+    planner.probes.credit = 2.0  # four probes' drafting, or two with their tokens
     probing = sum(d for d, _ in planner.plan(reqs, [(1, 1)] * 8, shape))
-    assert probing == 2 and planner.probe_credit < 1.0
-    costs.draft_seconds = lambda depth, trees=False: 0.0  # no drafting timed yet
-    planner.probe_credit = 100.0
+    assert probing == 2 and planner.probes.credit < 1.0
+    costs.per_level = 0.0  # no drafting timed yet
+    planner.probes.credit = 100.0
     assert sum(d for d, _ in planner.plan(reqs, [(1, 1)] * 8, shape)) == 1
 
 
-class CheapTokens(SyntheticCosts):
+def cheap_tokens() -> FixedCosts:
     """Each verified token costs 1/500 of a step: asking for drafts looks worth it."""
-
-    def step_seconds(self, num_tokens, work=0.0, widest=None):
-        return 1.0 + 0.002 * num_tokens
+    return FixedCosts(step=1.0, per_token=0.002, per_level=0.0)
 
 
 @pytest.mark.parametrize("probe_share", [0.03, 0.1])
@@ -521,9 +518,9 @@ def test_warm_ups_bringing_aux_tokens_only_spend_at_most_the_probe_share(probe_s
     """A drafter still filling its state (lookahead's window before its pool has a match)
     brings no token this step: its aux tokens run only as far as the probe budget goes,
     every request in turn, however cheap they look to plan()."""
-    from specdec.executor.draft_planner import StepShape
+    from specdec.executor.planner import StepShape
 
-    costs = CheapTokens()
+    costs = cheap_tokens()
     planner, reqs = planner_with(costs, probe_share), [request(f"r{i}") for i in range(8)]
     shape = StepShape([(10, 1)] * 8, padded=False)
     spent, elapsed, warmed, asked = 0.0, 0.0, collections.Counter(), 0
@@ -537,7 +534,7 @@ def test_warm_ups_bringing_aux_tokens_only_spend_at_most_the_probe_share(probe_s
         tokens = 8 + sum(len(k.aux_token_ids) for k in kept if k is not None)
         spent += costs.step_seconds(tokens) - costs.step_seconds(8)
         elapsed += costs.step_seconds(tokens)
-        planner.observe_step(tokens, 0.0, costs.step_seconds(tokens), 16 if tokens > 8 else 1)
+        planner.observe_cost(tokens, 0.0, costs.step_seconds(tokens), 16 if tokens > 8 else 1)
         for req, k in zip(reqs, kept):
             warmed[req.request_id] += k is not None
             planner.state(req).steps_without_drafts += 1
@@ -550,9 +547,9 @@ def test_warm_ups_bringing_aux_tokens_only_spend_at_most_the_probe_share(probe_s
 def test_a_cold_planner_lets_one_request_of_a_batch_verify_drafts_until_some_were_measured():
     """Until a few drafts were verified the acceptance is a guess: one request (the one
     expecting the most) finds out what drafts bring, then the batch drafts on the estimate."""
-    from specdec.executor.draft_planner import COLD_START_DRAFTS, StepShape
+    from specdec.executor.planner import COLD_START_DRAFTS, StepShape
 
-    planner, reqs = planner_with(CheapTokens()), [request(f"r{i}") for i in range(8)]
+    planner, reqs = planner_with(cheap_tokens()), [request(f"r{i}") for i in range(8)]
     shape = StepShape([(10, 1)] * 8, padded=False)
     planner.request_stats(reqs[3]).observe("long match", 4, 4)  # r3 has a draft kind known to pay
     verifying, first = [], []
@@ -569,14 +566,11 @@ def test_a_cold_planner_lets_one_request_of_a_batch_verify_drafts_until_some_wer
 
 
 def test_a_drafter_that_rarely_has_a_draft_is_asked_only_where_asking_is_cheap():
-    from specdec.executor.draft_planner import StepShape
-
-    class DearDrafting(SyntheticCosts):
-        def draft_seconds(self, depth, trees=False):
-            return 0.3 * depth  # each drafted level costs 30% of a step
+    from specdec.executor.planner import StepShape
 
     shape = StepShape([(10, 1)], padded=True)
-    for costs, expected in ((SyntheticCosts(), 4), (DearDrafting(), 0)):
+    dear = FixedCosts(step=1.0, per_token=0.25, per_level=0.3)  # each drafted level costs 30% of a step
+    for costs, expected in ((synthetic_costs(), 4), (dear, 0)):
         planner, req = planner_with(costs), request("b")
         for _ in range(30):
             planner.observe(req, None, depth=4, accepted=4)  # its drafts are always right...
@@ -586,14 +580,14 @@ def test_a_drafter_that_rarely_has_a_draft_is_asked_only_where_asking_is_cheap()
 
 
 def test_prompt_chunks_are_no_jump_for_the_cost_model(tiny_models):
-    """The engine tells the planner the widest *decoding* sequence: a step whose prompt
+    """The planner prices a step by its widest *decoding* sequence: a step whose prompt
     chunk is wide but whose decodes verify nothing is priced by its tokens and attention,
     not as the jump a draft brings (read as one, long prompts made every later draft look
     dear)."""
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32", engine={"max_num_tokens": 16},
               speculative_config={"decoding_type": "ngram"})
     engine, seen = llm.engine, []
-    forward, observe = engine.forward, engine.planner.observe_step
+    forward, observe = engine.forward, engine.planner.observe_cost
 
     def recording_forward(items):
         seen.append((any(it.is_prefill for it in items),
@@ -604,7 +598,7 @@ def test_prompt_chunks_are_no_jump_for_the_cost_model(tiny_models):
         seen[-1] += (widest,)
         return observe(num_tokens, work, seconds, widest)
 
-    engine.forward, engine.planner.observe_step = recording_forward, recording_observe
+    engine.forward, engine.planner.observe_cost = recording_forward, recording_observe
     prompts = [[5, 6, 7, 8] * 10, [9, 10, 11, 12] * 10, [3, 4] * 12]
     llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert all(widest == decode_widest for _, decode_widest, widest in seen)  # drafts or not
@@ -618,10 +612,10 @@ def test_a_dynamic_tree_drafter_gets_the_chain_or_the_tree_whichever_pays_more_f
     they add); one whose chains fail early but whose trees hold the right token gets the
     tree; the answer is (depth, nodes) with nodes == depth for a chain."""
     from specdec.drafting import TREE_KIND
-    from specdec.executor.draft_planner import DraftPlanner, StepShape
+    from specdec.executor.planner import DraftPlanner, StepShape
 
     planner = DraftPlanner(nodes_for_depth=lambda depth: 3 * depth + 1, probe_interval=4, chain_or_tree=True)
-    planner.costs = CheapTokens()
+    planner.costs = cheap_tokens()
     copying, guessing, fresh = request("copying"), request("guessing"), request("fresh")
     for _ in range(40):
         planner.request_stats(copying).observe(None, depth=3, accepted=3)  # its chains: all accepted
@@ -641,7 +635,7 @@ def test_a_dynamic_tree_drafter_gets_the_chain_or_the_tree_whichever_pays_more_f
     assert nodes > depth > 0
     # without chain_or_tree (static trees, Medusa): the tree, its nodes from the depth
     plain = DraftPlanner(nodes_for_depth=lambda depth: 3 * depth + 1, probe_interval=4)
-    plain.costs = CheapTokens()
+    plain.costs = cheap_tokens()
     plain.request_stats(copying).counts = planner.request_stats(copying).counts
     assert plain.plan([copying], [(3, 10)], shape) == [(3, 10)]
 
@@ -669,3 +663,52 @@ def test_the_chain_inside_a_dynamic_tree_is_its_path_of_first_children():
     assert [tokens[n] for n in first_child_path(parents)] == [1, 0]  # the argmax at each level
     assert first_child_path([-1, -1, 0, 1, 2]) == [0, 2, 4]
     assert first_child_path([]) == []
+
+
+# -- the probe budget on its own ------------------------------------------------------------
+
+def test_the_probe_budget_saves_a_share_of_each_step_up_to_a_cap_and_halves_it_per_unpaid_probe():
+    from specdec.executor.planner import PROBE_SHARE_HALVINGS, ProbeBudget
+
+    budget = ProbeBudget(interval=4, share=0.1)
+    budget.earn(1.0)
+    assert budget.credit == pytest.approx(0.1)
+    for _ in range(10_000):
+        budget.earn(1.0)
+    assert budget.credit == pytest.approx(0.1 * 4 * 8 * 4)  # four of the longest back-offs at most
+    assert budget.afford(1.0) and not budget.afford(budget.credit + 1.0)
+    state = RequestDraftState()
+    shares = []
+    for _ in range(PROBE_SHARE_HALVINGS + 2):
+        budget.probed(state)
+        shares.append(budget.share_now)
+    assert shares == [0.05, 0.025, 0.0125, 0.0125, 0.0125]  # down to an eighth, no further
+    budget.paid_off(state)
+    assert budget.share_now == 0.1 and state.probe_after == 0
+
+
+def test_a_request_is_probed_after_the_interval_then_after_twice_as_long_up_to_eight_times():
+    from specdec.executor.planner import ProbeBudget
+
+    budget, state, waits = ProbeBudget(interval=4, share=0.1), RequestDraftState(), []
+    for _ in range(5):
+        steps = 0
+        while not budget.due(state):
+            state.steps_without_drafts += 1
+            steps += 1
+        waits.append(steps)
+        budget.probed(state)
+    assert waits == [4, 8, 16, 32, 32]
+    states = {i: RequestDraftState(steps_without_drafts=n) for i, n in enumerate([3, 9, 5])}
+    assert budget.overdue_first(states) == [1, 2]  # due ones only, the longest overdue first
+
+
+def test_the_budget_pays_candidates_in_order_while_it_holds_their_tokens():
+    from specdec.executor.planner import DraftOption, ProbeBudget, StepLoad
+
+    budget = ProbeBudget(interval=4, share=0.1)
+    budget.credit = 0.6
+    load = StepLoad(base_tokens=4, options=[DraftOption([], [0])] * 4, depths=[0] * 4)
+    step = lambda tokens, widest, drafting: 1.0 + 0.25 * tokens  # noqa: E731
+    assert budget.paid_from([2, 0, 1], lambda i: 1, load, step) == [2, 0]  # 0.25 each, the third not held
+    assert load.tokens == 6 and budget.credit == pytest.approx(0.1)

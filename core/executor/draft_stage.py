@@ -18,7 +18,7 @@ import torch
 
 from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..kvcache import KVCacheManager
-from .draft_planner import DraftPlanner, StepShape
+from .planner import DraftPlanner, StepShape
 from .request import Request
 from .step_items import StepItem
 

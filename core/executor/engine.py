@@ -36,13 +36,13 @@ from ..quantization import Int4Linear, Int8Linear, PackedLinear
 from ..sampling_params import SamplingParams
 from ..target_model import ForwardMetadata, TargetModel
 from .cuda_graphs import CudaGraphs
-from .draft_planner import DraftPlanner, StepShape, attention_work
 from .draft_stage import DraftStage
 from .kv_budget import kv_cache_blocks
 from .kv_commit import KVCommit
 from .metrics import RequestMetrics
 from .output_processor import OutputProcessor
 from .packed_forward import PackedForward
+from .planner import DraftPlanner
 from .request import Request, Status
 from .scheduler import Scheduler
 from .step_items import StepItem, StepOutput
@@ -127,8 +127,6 @@ class Engine:
         self.hidden_cache = (HiddenStateCache(self.hidden_layers, num_blocks * config.block_size, target.hidden_size,
                                               target.dtype, target.device) if keep_states else None)
         self.scheduler = Scheduler(config, self.kv)
-        #: every rule of how much each request drafts (None without speculation)
-        self.planner = DraftPlanner.for_config(spec) if spec is not None else None
         #: whether the target's forward is compiled, ``engine.compile`` resolved
         self.compiled = resolve_compile(config, target)
         #: the batch-invariant numerics mode, ``engine.batch_invariant`` resolved
@@ -143,8 +141,10 @@ class Engine:
         # batch-invariant torch attention also runs a step's draft trees as a batch of their own
         attention_is_kernel = (invariant_attention_is_kernel(target.device) if self.batch_invariant
                                else paged_attention_is_triton(target.device))
-        self._padded_attention = not attention_is_kernel
-        self._tree_batch = self.batch_invariant and not attention_is_kernel
+        #: every rule of how much each request drafts (None without speculation)
+        self.planner = (DraftPlanner.for_config(spec, padded_attention=not attention_is_kernel,
+                                                tree_batch=self.batch_invariant and not attention_is_kernel)
+                        if spec is not None else None)
         self.drafts = DraftStage(self.hooks, self.planner, self.kv, target.vocab_size, self.max_model_len,
                                  spec.decoding_type if spec is not None else "drafter")
         graphs = (CudaGraphs(target, cache, config.block_size, self.max_model_len, config.max_batch_size)
@@ -269,7 +269,7 @@ class Engine:
         if plan.empty:
             return []
         items = [StepItem.prefill(req, n) for req, n in plan.prefills]
-        before_drafts = self._shape(items, plan.decodes) if self._adaptive else None
+        before_drafts = self.planner.step_shape(items, plan.decodes) if self._adaptive else None
         items += self.drafts.decode_items(plan.decodes, plan.draft_allowance,                    # draft
                                           len(self.scheduler.running), before_drafts)
         logits, hidden = self.forward(items)                                                      # forward
@@ -279,30 +279,18 @@ class Engine:
         self._observe(items, results, outputs, started)                                          # observe
         return outputs
 
-    def _shape(self, prefills: list[StepItem], decodes: list[Request]) -> StepShape:
-        """The step's sequences before drafts, as the planner prices them."""
-        return StepShape([(it.start, len(it.tokens)) for it in prefills] + [(r.num_computed, 1) for r in decodes],
-                         padded=self._padded_attention, tree_batch=self._tree_batch)
-
     def _observe(self, items: list[StepItem], results: list[StepResult], outputs: list[StepOutput],
                  started: float) -> None:
         """Metrics, the planner and the drafter learn from the step; finished requests leave.
-        An adaptive planner's cost model learns the step's time without drafting."""
+        The planner learns the step's time without drafting (and without finishing requests,
+        whose cost does not grow with the tokens a step verifies)."""
         for it, res, out in zip(items, results, outputs):
-            if it.is_prefill:
-                continue
-            depth = it.proposal.depth if it.proposal is not None else 0
-            it.request.metrics.record_step(depth, it.num_nodes, len(res.accepted_nodes), len(out.new_token_ids))
-            if self.planner is not None:
-                self.planner.observe_decode(it.request, it.proposal, res.accepted_nodes)
+            if not it.is_prefill:
+                depth = it.proposal.depth if it.proposal is not None else 0
+                it.request.metrics.record_step(depth, it.num_nodes, len(res.accepted_nodes), len(out.new_token_ids))
         self.drafts.observe(results)
+        if self.planner is not None:
+            self.planner.observe_step(items, results, time.perf_counter() - started - self.drafts.seconds)
         for out in outputs:
             if out.finished:
                 self._finish(out.request, out.request.finish_reason)
-        if self._adaptive:
-            sequences = [(it.start, len(it.tokens)) for it in items]
-            widest = max((len(it.tokens) for it in items if not it.is_prefill), default=1)
-            trees = self._tree_batch and any(it.proposal is not None and it.proposal.verified_as_tree for it in items)
-            seconds = time.perf_counter() - started - self.drafts.seconds
-            self.planner.observe_step(sum(n for _, n in sequences),
-                                      attention_work(sequences, self._padded_attention, trees), seconds, widest)

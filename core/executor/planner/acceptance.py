@@ -1,0 +1,109 @@
+"""How often drafts are accepted: decayed counts per proposal kind and draft position.
+
+A request's estimate leans on the engine-wide one until it has evidence of its own, so
+that a new request starts where the engine's traffic stands and then follows its own text
+(a request that copies its prompt accepts far more than one that does not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import attrs
+
+
+@attrs.define
+class AcceptanceStats:
+    """Decayed counts, per proposal kind and draft position, of how often the position was
+    reached (its parent accepted) and accepted; a position's rate leans on ``prior``
+    (the engine-wide stats) with the weight of ``prior_weight`` observations."""
+
+    decay: float = 0.9
+    prior_weight: float = 3.0
+    prior: AcceptanceStats | None = None
+    initial_rate: float = 0.5
+    counts: dict[Hashable, list[list[float]]] = attrs.Factory(dict)  # kind -> [[reached, accepted], ...]
+    asks: list[float] = attrs.Factory(lambda: [0.0, 0.0])  # [times the drafter was asked, times it drafted]
+
+    def observe_ask(self, drafted: bool) -> None:
+        """The drafter was asked for a draft and proposed one (``drafted``) or nothing."""
+        self.asks[0] = self.asks[0] * self.decay + 1.0
+        self.asks[1] = self.asks[1] * self.decay + float(drafted)
+
+    def draft_rate(self) -> float:
+        """Chance that asking the drafter yields a draft (no match, an empty n-gram pool:
+        asking costs drafting time and, for lookahead, its window, for nothing)."""
+        prior = self.prior.draft_rate() if self.prior is not None else 1.0
+        return (self.asks[1] + self.prior_weight * prior) / (self.asks[0] + self.prior_weight)
+
+    def observe(self, kind: Hashable, depth: int, accepted: int) -> None:
+        """A draft of ``kind`` and ``depth`` had its first ``accepted`` positions accepted."""
+        rows = self.counts.setdefault(kind, [])
+        for row in rows:
+            row[0] *= self.decay
+            row[1] *= self.decay
+        while len(rows) < depth:
+            rows.append([0.0, 0.0])
+        for j in range(min(depth, accepted + 1)):
+            rows[j][0] += 1.0
+            if j < accepted:
+                rows[j][1] += 1.0
+
+    def rates(self, kind: Hashable, depth: int) -> list[float]:
+        """For positions ``0..depth-1``, the chance that the position is accepted once the
+        one before it was. A position leans on the engine-wide rate where that has seen
+        it; else on this estimate's rate at the position before (a position never verified
+        is guessed like the last one that was, so a request drafting short learns whether
+        longer drafts would pay); position 0 without any evidence on the initial guess.
+        The engine-wide estimate guesses a kind it never verified at least as well as its
+        verified drafts of every kind together (:meth:`pooled_rates`), so that a new kind
+        (a longer ngram match, say) is not refused on the initial guess alone."""
+        rows = self.counts.get(kind, ())
+        prior_rates = self.prior.rates(kind, depth) if self.prior is not None else None
+        unseen = self.pooled_rates(depth) if self.prior is None and not self.has_seen(kind, 0) else None
+        out: list[float] = []
+        for j in range(depth):
+            if prior_rates is not None and (j == 0 or self.prior.has_seen(kind, j)):
+                prior = prior_rates[j]
+            else:
+                prior = out[j - 1] if j > 0 else self.initial_rate
+                if unseen is not None and unseen[j] is not None:
+                    prior = max(prior, unseen[j])
+            if j < len(rows):
+                reached, accepted = rows[j]
+                out.append((accepted + self.prior_weight * prior) / (reached + self.prior_weight))
+            else:
+                out.append(prior)
+        return out
+
+    def pooled_rates(self, depth: int) -> list[float | None]:
+        """For positions ``0..depth-1``, the share of the drafts that reached the position,
+        of every kind together, that had it accepted (None where fewer than one reached it)."""
+        out = []
+        for j in range(depth):
+            reached = accepted = 0.0
+            for rows in self.counts.values():
+                if j < len(rows):
+                    reached += rows[j][0]
+                    accepted += rows[j][1]
+            out.append(accepted / reached if reached >= 1.0 else None)
+        return out
+
+    def rate(self, kind: Hashable, position: int) -> float:
+        return self.rates(kind, position + 1)[position]
+
+    def has_seen(self, kind: Hashable, position: int) -> bool:
+        rows = self.counts.get(kind, ())
+        return position < len(rows) and rows[position][0] >= 1.0
+
+    def curve(self, kind: Hashable, depth: int) -> list[float]:
+        """``P(at least j positions accepted)`` for ``j = 1..depth``."""
+        out, p = [], 1.0
+        for rate in self.rates(kind, depth):
+            p *= rate
+            out.append(p)
+        return out
+
+    def kinds(self) -> set:
+        mine = set(self.counts)
+        return mine | self.prior.kinds() if self.prior is not None else mine
