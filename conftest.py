@@ -8,9 +8,14 @@ import pytest
 import torch
 
 # Under pytest-xdist (``-n N``) each worker gets its share of the cores, so that N workers
-# do not oversubscribe them; alone, the suite takes two threads, as CI's machine has.
+# do not oversubscribe them; alone, the suite takes two threads, as CI's machine has. The
+# processes a worker starts (servers, the CLI, training scripts) inherit its share through
+# OMP_NUM_THREADS, so that they do not oversubscribe the cores either.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _workers))
+_threads = max(1, min(2, os.cpu_count() or 1) // _workers)
+torch.set_num_threads(_threads)
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
