@@ -22,7 +22,7 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.prompt_sets import load_jsonl, messages
+from specdec.prompt_sets import load_jsonl
 
 
 def timed_runner(llm: LLM) -> list[float]:
@@ -51,16 +51,19 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-prepack", action="store_true",
+                   help="engine.prepack_weights off: the drafters' bfloat16 layers on the stock product")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    prompts = [messages(r) for r in load_jsonl(args.dataset)[:args.prompts]]
+    prompts = [c for convs in load_jsonl(args.dataset).values() for c in convs][:args.prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    plain = LLM()
+    engine = {"prepack_weights": False} if args.no_prepack else {}
+    plain = LLM(engine=engine)
     llms = {}
     for m in args.methods:
         name, _, directory = m.partition("=")
         spec = {"decoding_type": name, "adaptive": False, **({"speculative_model": directory} if directory else {})}
-        llms[m] = LLM(speculative_config=spec)
+        llms[m] = LLM(speculative_config=spec, engine=engine)
     module_seconds = {m: timed_runner(llm) for m, llm in llms.items()}
     for llm in (plain, *llms.values()):  # first calls pay one-off costs
         llm.chat([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
