@@ -152,6 +152,7 @@ def test_a_target_served_quantized_answers_gives_features_and_is_evaluated_quant
                    max_steps=1, eval_prompts=1, trainer_options={"num_heads": 1})
     report = train(TrainOptions(out=str(tmp_path / "q"), quantization="w4a8", **options), progress=False)
     assert report["quantization"] == "w4a8" and report["eval"]["prompts"] == 1
+    assert report["eval"]["steps_speculation_off"] == 0  # evaluated planner off: the drafter's own figure
     samples = [json.loads(line) for line in (tmp_path / "q" / "samples.jsonl").read_text().splitlines()]
     served = LLM(model, dtype="bfloat16", engine={"quantization": "w4a8"})
     plain = LLM(model, dtype="bfloat16")

@@ -161,20 +161,23 @@ def quantized_target(opts: TrainOptions, device: torch.device):
 
 
 def evaluate(opts: TrainOptions, trainer: MethodTrainer, items: list[dict]) -> dict:
-    """Acceptance length of the saved drafter on the held-out prompts (greedy)."""
+    """Acceptance length of the saved drafter on the held-out prompts (greedy, planner off:
+    every step drafts the method's default shape, so the figure is the drafter's, not the
+    adaptive planner's choice of when to draft)."""
     from ..api import LLM
     from ..executor.metrics import RequestMetrics
     from ..sampling_params import SamplingParams
 
     llm = LLM(model=opts.model, dtype=opts.gen_dtype, device=opts.device, engine=served_engine(opts),
-              speculative_config=trainer.speculative_config(Path(opts.out)))
+              speculative_config={**trainer.speculative_config(Path(opts.out)), "adaptive": False})
     outs = llm.generate([encode_prompt(llm, it) for it in items],
                         SamplingParams(max_tokens=opts.max_new_tokens, temperature=0.0))
     total = RequestMetrics()
     for o in outs:
         total.merge(o.metrics)
     return {"prompts": len(items), "acceptance_length": total.acceptance_length,
-            "per_position_acceptance": total.per_position_acceptance}
+            "per_position_acceptance": total.per_position_acceptance,
+            "steps_speculation_off": total.num_steps_speculation_off}
 
 
 def train(opts: TrainOptions, progress: bool = True) -> dict:
