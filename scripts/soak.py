@@ -150,8 +150,12 @@ def soak(method: str, args, corpus: list[int]) -> dict:
             list(pool.map(lambda r: send(base, r), warm))
         start_rss = rss_mb(server), rss_mb(engine)
         started = time.perf_counter()
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            results = list(pool.map(lambda r: send(base, r), requests))
+        results, engine_trace = [], []
+        part = -(-len(requests) // args.parts)
+        with ThreadPoolExecutor(args.concurrency) as pool:  # the engine's RSS after each part
+            for first in range(0, len(requests), part):
+                results += pool.map(lambda r: send(base, r), requests[first:first + part])
+                engine_trace.append(round(rss_mb(engine)))
         seconds = time.perf_counter() - started
         deadline = time.time() + 60
         while time.time() < deadline and (metric(base, "specdec_kv_cache_usage") or
@@ -174,6 +178,7 @@ def soak(method: str, args, corpus: list[int]) -> dict:
             "outcomes": {k: dict(v) for k, v in outcomes.items()},
             "rss_mb_server": [round(start_rss[0]), round(end_rss[0])],
             "rss_mb_engine": [round(start_rss[1]), round(end_rss[1])],
+            "rss_mb_engine_by_part": engine_trace,
             "kv_cache_usage_after": kv_usage, "running_after": running,
             "reruns": min(args.rerun, len(completed)), "rerun_mismatches": mismatches}
 
@@ -185,6 +190,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rerun", type=int, default=40, help="completed answers re-run alone")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", type=int, default=4,
+                        help="the engine's memory is read after each part of the requests")
     args = parser.parse_args()
 
     from specdec.models import load_tokenizer, resolve_model_dir
