@@ -52,7 +52,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     yield
     if nextitem is not None and nextitem.module is item.module:
         return
-    from specdec.quantization import release_freed_memory
+    from specdec.model.quantization import release_freed_memory
 
     gc.collect()
     release_freed_memory()

@@ -17,7 +17,7 @@ from .errors import RequestError
 from .executor.engine import Engine
 from .executor.metrics import RequestMetrics
 from .kernels import prepack_linears
-from .models import (
+from .model.loading import (
     gguf_file,
     load_tokenizer,
     load_weights,
@@ -26,12 +26,12 @@ from .models import (
     resolve_device,
     resolve_dtype,
     resolve_model_dir,
-    resolve_quantization,
 )
+from .model.target import TargetModel
+from .numerics.auto import resolve_quantization
 from .parallel import ShardedTarget, TensorParallelGroup, check_divides, run_worker, shard_model, threads_per_rank
 from .plugins import drafter_plugin_manager, get_registry
 from .sampling_params import SamplingParams
-from .target_model import TargetModel
 from .text_codec import TextCodec
 
 log = logging.getLogger(__name__)

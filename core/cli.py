@@ -194,7 +194,7 @@ def _json_schema(path: str | None) -> dict | None:
 
 
 def cmd_bench(args) -> int:
-    from .bench import numerics_line, plot, print_table, run_bench, write_json
+    from .bench.runner import numerics_line, plot, print_table, run_bench, write_json
 
     try:
         report = run_bench(_resolve_config(args), args.methods, args.dataset, args.categories, args.batch_size,
@@ -255,9 +255,9 @@ def _trainable_methods() -> str:
 
 
 def cmd_serve(args) -> int:
-    from .async_engine import AsyncEngine
     from .parallel import launched_by_torchrun
-    from .server import ServerOptions, serve
+    from .serving.async_engine import AsyncEngine
+    from .serving.server import ServerOptions, serve
 
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     if args.protect_all and api_key is None:

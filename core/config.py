@@ -11,9 +11,9 @@ from typing import ClassVar
 
 import attrs
 
+from .drafting.tree import StaticTree
 from .errors import FieldError
 from .sampling_params import SamplingParams
-from .tree import StaticTree
 
 
 def in_range(lo: float | None = None, hi: float | None = None):
@@ -151,7 +151,7 @@ DYNAMIC_TREE_NODES = 16
 class TreeDraftConfig(SpeculativeConfig):
     """Options of the drafters that grow their draft a level at a time from their own
     logits, one batched draft forward per level (EAGLE, MTP:
-    :class:`specdec.feature_drafter.FeatureDrafter`): a chain by default,
+    :class:`specdec.drafting.feature_drafter.FeatureDrafter`): a chain by default,
     a static tree where the method has a choice list (:meth:`static_tree_choices`), or an
     EAGLE-2 dynamic tree.
 
@@ -207,7 +207,7 @@ def _check_bool_or_auto(inst, attribute, value) -> None:
         raise FieldError(attribute.name, str(exc)) from None
 
 
-#: ``engine.quantization`` values (:mod:`specdec.quantization`); ``none`` is read as None.
+#: ``engine.quantization`` values (:mod:`specdec.model.quantization`); ``none`` is read as None.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8", "w4a8")
 
 
@@ -230,20 +230,20 @@ class EngineConfig:
         batch_invariant: compute every token so that its result depends on its own sequence
             only, not on the drafts or requests sharing the forward: greedy output is then
             bit-identical between plain and speculative decoding, alone and batched, in
-            bfloat16 too (:mod:`specdec.kernels.invariant`). ``auto`` (the default) turns it
+            bfloat16 too (:mod:`specdec.numerics.invariant`). ``auto`` (the default) turns it
             on where it costs nothing: a bfloat16 CPU target, unquantized or on the
             integer-dot kernels, not compiled unless its compiled forward is invariant (see
             ``compile``), whose layers specdec's CPU kernels take
-            (:func:`specdec.kernels.invariant.mode_costs_nothing`). ``true`` or ``false``
+            (:func:`specdec.numerics.invariant.mode_costs_nothing`). ``true`` or ``false``
             decides it.
         quantization: ``int8`` or ``int4`` weight-only target on torch's packed CPU kernels,
             or ``w8a8`` / ``w4a8``: the same weights multiplied with 8-bit activations by
             specdec's integer-dot kernels, whose extra verified rows cost little
-            (:mod:`specdec.quantization`; a GGUF's own 4-bit blocks are used as they are);
+            (:mod:`specdec.model.quantization`; a GGUF's own 4-bit blocks are used as they are);
             None (``none``) keeps the model's weights in ``dtype``. ``auto`` (the default):
             ``w4a8`` for a GGUF target of Q4_0 / Q4_1 blocks on a CPU with ``dtype: auto``
             (the embedded model), None otherwise
-            (:func:`specdec.models.resolve_quantization`). The quantized model is the target:
+            (:func:`specdec.numerics.auto.resolve_quantization`). The quantized model is the target:
             speculative output equals its own plain output.
         prepack_weights: bfloat16 linear layers on CPU multiply by weights reordered once
             into oneDNN's layout instead of at every call (:mod:`specdec.kernels.prepacked`):
@@ -260,7 +260,7 @@ class EngineConfig:
             forward is batch-invariant, a bfloat16 CPU target whose every product runs the
             integer-dot kernels (``w4a8``, ``w8a8``: the embedded model by default), whose
             one graph calls the invariant attention kernel
-            (:func:`specdec.executor.engine.compiles_invariant`); off elsewhere, where a
+            (:func:`specdec.numerics.auto.compiles_invariant`); off elsewhere, where a
             compiled forward fuses operations by the step's token count and is not
             batch-invariant (with ``batch_invariant: auto`` then off).
         tensor_parallel_size: ranks the target is sharded over (transformers' tensor-parallel

@@ -9,7 +9,7 @@ target's hidden states, storing weights, loading models, training.
 """
 
 from .config import SpeculativeConfig, TreeDraftConfig, in_range
-from .draft_checkpoint import (
+from .drafting.checkpoint import (
     SECTION,
     check_target,
     drafter_directory,
@@ -23,20 +23,20 @@ from .draft_checkpoint import (
     save_tensors,
     target_signature,
 )
-from .draft_runner import DraftInput, DraftRunner, causal_lm_forward, draft_attention
-from .drafting import Drafter, DraftProposal, StepResult, TreeMask
+from .drafting.feature_drafter import FeatureDrafter
+from .drafting.hookspecs import hookimpl
+from .drafting.interface import Drafter, DraftProposal, StepResult, TreeMask
+from .drafting.last_state import LastStateDrafter
+from .drafting.layers import ResBlock
+from .drafting.runner import DraftInput, DraftRunner, causal_lm_forward, draft_attention
+from .drafting.tree import StaticTree, ancestor_mask, prefix_trie
 from .errors import FieldError, ModelLoadError
-from .feature_drafter import FeatureDrafter
-from .hookspecs import hookimpl
-from .last_state import LastStateDrafter
-from .layers import ResBlock
-from .models import EMBEDDED_NAME, load_causal_lm, load_tokenizer, resolve_model_dir
+from .model.loading import EMBEDDED_NAME, load_causal_lm, load_tokenizer, resolve_model_dir
+from .model.target import ATTENTION_NAME, TargetModel, TargetParts
 from .plugins import DecodingType
 from .sampler import pick_draft_token
 from .sampler.lossy import RelaxedAcceptance, TypicalAcceptance
-from .target_model import ATTENTION_NAME, TargetModel, TargetParts
 from .training import UNROLLED_ATTENTION, MethodTrainer, TrainBatch, draft_vocabulary, training_time_test
-from .tree import StaticTree, ancestor_mask, prefix_trie
 
 __all__ = [
     # registering a method: the hook marker and what register_decoding_types registers

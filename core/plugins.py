@@ -19,11 +19,11 @@ import attrs
 import pluggy
 from stevedore import ExtensionManager, NamedExtensionManager
 
-from . import hookspecs
 from .config import SpeculativeConfig
-from .drafting import DraftProposal, TreeMask
+from .drafting import hookspecs
+from .drafting.interface import DraftProposal, TreeMask
+from .drafting.tree import default_tree_mask
 from .errors import PluginError
-from .tree import default_tree_mask
 
 log = logging.getLogger(__name__)
 

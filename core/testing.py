@@ -28,9 +28,9 @@ from pathlib import Path
 import attrs
 import torch
 
-from . import hookspecs
 from .config import SpeculativeConfig
 from .config_loading import structure, unstructure
+from .drafting import hookspecs
 from .parallel.group import free_port
 from .plugins import DecodingType, get_registry, hook_names
 from .sampling_params import SamplingParams
@@ -136,16 +136,16 @@ def train_briefly(method: str, directory: str | Path, data: str | Path | None = 
 
 def check_rows_match_unrolled(train_step, serve_forward, feature_size: int, vocab_size: int = 128,
                               length: int = 9, atol: float = 1e-4) -> None:
-    """A feature drafter's module (:mod:`specdec.feature_drafter`) drafts at inference what it
+    """A feature drafter's module (:mod:`specdec.drafting.feature_drafter`) drafts at inference what it
     learnt in training: the draft runner's committed rows, two sibling tree nodes and a
     grandchild give the states of :func:`specdec.training.unrolled_attention`'s unrolled
     steps, and rows committed after the drafts were dropped continue as in training.
 
     ``train_step(tokens [L], feature [1, L, F], positions [L], attend) -> [1, L, F]`` is one
     training step; ``serve_forward`` the runner's module forward
-    (:meth:`specdec.feature_drafter.FeatureDrafter.draft_forward`'s signature).
+    (:meth:`specdec.drafting.feature_drafter.FeatureDrafter.draft_forward`'s signature).
     """
-    from .draft_runner import DraftInput, DraftRunner
+    from .drafting.runner import DraftInput, DraftRunner
     from .training import unrolled_attention
 
     g = torch.Generator().manual_seed(1)
@@ -305,9 +305,9 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     from transformers import AutoModelForCausalLM
 
     from .api import LLM
-    from .grammar import apply_masks
-    from .models import quantize_target
+    from .model.loading import quantize_target
     from .sampler import probs_from_logits, shape_logits
+    from .sampler.grammar import apply_masks
 
     params = params or SamplingParams(temperature=1.0, top_k=5)
     params = attrs.evolve(params, max_tokens=position + 2, ignore_eos=params.structured_outputs is None)
@@ -410,7 +410,7 @@ def check_shipped_sampling(options: dict, n: int = 250, question: str = "Name a 
     """:func:`check_sampling_lossless` on the embedded model (a short chat ``question``,
     temperature 1, top-k 4 unless ``params`` say otherwise); returns the accepted draft tokens."""
     from .api import LLM
-    from .models import resolve_model_dir
+    from .model.loading import resolve_model_dir
 
     prompt = LLM(dtype="float32").apply_chat_template([{"role": "user", "content": question}])
     _, accepted = check_sampling_lossless(options, resolve_model_dir(None), prompt=prompt, n=n,

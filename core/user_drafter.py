@@ -5,7 +5,7 @@
 In YAML the drafter is a dotted path; in Python it may also be the class itself or a
 ready instance (``LLM(speculative_config={"decoding_type": "user", "drafter": MyDrafter()})``,
 as TensorRT-LLM's ``UserProvidedDecodingConfig`` takes one). A class is built as
-``MyDrafter(config, target)``; either way it implements the hooks of :mod:`specdec.hookspecs`
+``MyDrafter(config, target)``; either way it implements the hooks of :mod:`specdec.drafting.hookspecs`
 like any plugin's drafter, and ``config.options`` holds its options.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import attrs
 
 from .config import SpeculativeConfig
+from .drafting.hookspecs import hookimpl
 from .errors import FieldError, PluginError
-from .hookspecs import hookimpl
 from .plugins import DecodingType
 
 

@@ -3,7 +3,7 @@
 ``<!-- configuration -->`` becomes one table per configuration class (its attrs fields,
 types, defaults, and the descriptions of its docstring's ``Attributes:`` section), and one
 per installed method's own options; ``<!-- hooks -->`` becomes every hook specification
-of :mod:`specdec.hookspecs` with its signature and docstring; ``<!-- plugin_api -->`` every
+of :mod:`specdec.drafting.hookspecs` with its signature and docstring; ``<!-- plugin_api -->`` every
 name of :mod:`specdec.plugin_api`, grouped as its ``__all__`` groups them.
 """
 
@@ -89,7 +89,7 @@ def configuration_reference() -> str:
 
 
 def hooks_reference() -> str:
-    from specdec import hookspecs
+    from specdec.drafting import hookspecs
 
     parts = []
     for name, func in inspect.getmembers(hookspecs, inspect.isfunction):

@@ -24,8 +24,8 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.bench import WARMUP, concurrent_requests
-from specdec.prompt_sets import PROMPTS, load_jsonl, messages
+from specdec.bench.prompt_sets import PROMPTS, load_jsonl, messages
+from specdec.bench.runner import WARMUP, concurrent_requests
 
 
 def parse_settings(text: str) -> dict[str, float]:

@@ -16,8 +16,8 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.kernels.layout import AttentionLayout
-from specdec.prompt_sets import PROMPTS
+from specdec.bench.prompt_sets import PROMPTS
+from specdec.kvcache.layout import AttentionLayout
 
 
 def main() -> None:

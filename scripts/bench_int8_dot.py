@@ -18,7 +18,7 @@ import time
 import torch
 
 from specdec.kernels import int8_dot
-from specdec.quantization import Int4Linear, Int8Linear, W4A8Linear, W8A8Linear
+from specdec.model.quantization import Int4Linear, Int8Linear, W4A8Linear, W8A8Linear
 
 #: out x in: q/o projections, k/v, MLP up and gate, MLP down, LM head (SmolLM2-135M)
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]

@@ -3,7 +3,7 @@
 Starts `specdec serve` (its engine in a process of its own) and an ``LLM`` in this process
 from one config and, with ``--llama-server``, native llama-server on the same GGUF with
 the same threads (plain, and with its ``ngram-mod`` speculation; ``--parallel`` slots equal
-to the batch; built once by :mod:`specdec.llama_cpp_native` if not on PATH). Each round
+to the batch; built once by :mod:`specdec.bench.llama_cpp_native` if not on PATH). Each round
 runs, in turn, every system over the script's chat prompts at each batch size: batch 1 is
 prompt by prompt, batch N is N requests at once (N concurrent clients of a server, or one
 ``LLM.chat`` of N conversations). Servers are timed at the client through the ``openai``
@@ -84,9 +84,9 @@ def main() -> None:
     import yaml
 
     from specdec import LLM, SamplingParams
+    from specdec.bench.llama_cpp_native import LlamaServer, find_binaries
     from specdec.config_loading import config_from_dict
-    from specdec.llama_cpp_native import LlamaServer, find_binaries
-    from specdec.models import gguf_file
+    from specdec.model.loading import gguf_file
     from specdec.testing import running_server
 
     config = config_from_dict(yaml.safe_load(args.config))

@@ -5,10 +5,10 @@ and our trainer's settings against the reference recipe's, all at equal data.
 
 The target answers two pools of prompts once (greedy, bfloat16, 160 tokens):
 
-- diverse: requests the target wrote itself (``training/self_instruct*.jsonl``) mixed with
+- diverse: requests the target wrote itself (``train_prompts/self_instruct*.jsonl``) mixed with
   public instruction sets made for training, given with ``--public`` (Alpaca-style JSON or
   JSONL, read where they lie, never copied into the repository);
-- templated: the project's templated prompts (``training/prompts.jsonl``, what the shipped
+- templated: the project's templated prompts (``train_prompts/prompts.jsonl``, what the shipped
   drafters learnt from).
 
 Then the method trains once per point, each run for ``--epochs`` over its own samples: the
@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SELF_INSTRUCT = ["training/self_instruct.jsonl", "training/self_instruct_2.jsonl"]
-TEMPLATED = "training/prompts.jsonl"
+SELF_INSTRUCT = ["train_prompts/self_instruct.jsonl", "train_prompts/self_instruct_2.jsonl"]
+TEMPLATED = "train_prompts/prompts.jsonl"
 #: the reference recipe's settings (SpecForge's EAGLE-3 training) and ours
 REFERENCE = ({"ttt_steps": 7, "draft_vocab_size": 32000}, 1e-4)
 OURS = {"eagle3": ({"draft_vocab_size": 4096}, 1e-3), "eagle": ({}, 1e-3), "medusa": ({}, 1e-3),

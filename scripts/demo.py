@@ -23,8 +23,8 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.bench.prompt_sets import INPUT_GROUNDED, messages
 from specdec.config import QUANTIZATIONS
-from specdec.prompt_sets import INPUT_GROUNDED, messages
 from specdec.testing import first_divergence, near_tie_at
 
 #: A top-2 logit gap at or below this is a near-tie: float32 rounding, or one bfloat16 step
@@ -55,7 +55,7 @@ def compare(base, fast, dtype: str, reference: dict) -> str:
     if "model" not in reference:
         from transformers import AutoModelForCausalLM
 
-        from specdec.models import resolve_model_dir
+        from specdec.model.loading import resolve_model_dir
 
         reference["model"] = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=getattr(torch, dtype))
     ids = base.prompt_token_ids + base.token_ids[:i]

@@ -35,7 +35,7 @@ prepare)
         fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 \
         annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.2 anyio==4.16.0 \
         openai==3.57.0 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
-    gguf=$(${PY:-.venv/bin/python} -c "from specdec.models import embedded_gguf_path; print(embedded_gguf_path())")
+    gguf=$(${PY:-.venv/bin/python} -c "from specdec.model.loading import embedded_gguf_path; print(embedded_gguf_path())")
     for half in a b; do
         grep -qx "/.model_$half/" .git/info/exclude || echo "/.model_$half/" >> .git/info/exclude
         mkdir -p ".model_$half"

@@ -1,5 +1,5 @@
 """Acceptance of drafters on the held-out prompts of the training set (the last 16 of
-training/prompts.jsonl, which no shipped drafter saw): acceptance length, per-position
+train_prompts/prompts.jsonl, which no shipped drafter saw): acceptance length, per-position
 acceptance, and whether each system's text equals the first one's. BENCHMARKS.md quotes it.
 
     python scripts/eval_heldout.py --dtype bfloat16 \\
@@ -15,7 +15,7 @@ from specdec import LLM, SamplingParams
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("configs", nargs="+", help="speculative_config objects as JSON")
-    parser.add_argument("--data", default="training/prompts.jsonl")
+    parser.add_argument("--data", default="train_prompts/prompts.jsonl")
     parser.add_argument("--prompts", type=int, default=8, help="the first N of the 16 held-out prompts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")

@@ -102,7 +102,7 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def hf_generate(model, ids: list[list[int]], new: int) -> float:
-    from specdec.target_model import ATTENTION_NAME
+    from specdec.model.target import ATTENTION_NAME
 
     model.set_attn_implementation("sdpa")
     try:
@@ -164,11 +164,11 @@ def part_generate(model, directory, args) -> list[dict]:
 def step_runner(target, batch: int, context: int, tree: bool, block_size: int = 16, graphs: bool = False):
     """One forward of ``batch`` requests, each with ``context`` cached tokens and 1 new token
     (decode) or a 16-node tree (verification); through CUDA graphs if ``graphs``."""
+    from specdec.drafting.tree import ancestor_mask, node_depths
     from specdec.executor.cuda_graphs import CudaGraphs
-    from specdec.kernels import AttentionLayout, SequenceSlice
     from specdec.kvcache import PagedKVCache
-    from specdec.target_model import ForwardMetadata
-    from specdec.tree import ancestor_mask, node_depths
+    from specdec.kvcache.layout import AttentionLayout, SequenceSlice
+    from specdec.model.target import ForwardMetadata
 
     per_seq = context // block_size + 2
     cache = PagedKVCache(target.layer_shapes, per_seq * batch, block_size, target.dtype, target.device)
@@ -329,10 +329,10 @@ def attention_case(heads: int, kv_heads: int, dim: int, context: int, batch: int
                    block_size: int = 16) -> dict:
     """Time the paged attention of ``batch`` sequences of ``context`` cached tokens, each
     with one new token (decode) or a 16-node tree, both paths, against the floor."""
-    from specdec.kernels import AttentionLayout, SequenceSlice
+    from specdec.drafting.tree import ancestor_mask, node_depths
     from specdec.kernels.attention import paged_attention_torch
     from specdec.kernels.triton_kernels import paged_attention_triton
-    from specdec.tree import ancestor_mask, node_depths
+    from specdec.kvcache.layout import AttentionLayout, SequenceSlice
 
     new = len(DRAFT_PARENTS) + 1 if tree else 1
     per_seq = (context + new) // block_size + 1

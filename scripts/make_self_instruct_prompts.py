@@ -12,12 +12,12 @@ with a prompt of ``specdec bench`` (the built-in sets and ``benchmarks/*.jsonl``
 then any on a benchmark prompt's topic (:func:`off_topic`): a file of ``--count``
 requests at most.
 
-    python scripts/make_self_instruct_prompts.py --out training/self_instruct.jsonl --count 2400 --seed 1
+    python scripts/make_self_instruct_prompts.py --out train_prompts/self_instruct.jsonl --count 2400 --seed 1
 
 grows a set with ``--avoid`` (its requests count as repeats) and another seed:
 
-    python scripts/make_self_instruct_prompts.py --out training/self_instruct_2.jsonl --count 3000 --seed 2 \
-        --avoid training/self_instruct.jsonl
+    python scripts/make_self_instruct_prompts.py --out train_prompts/self_instruct_2.jsonl --count 3000 --seed 2 \
+        --avoid train_prompts/self_instruct.jsonl
 
 The target then answers them during ``specdec train`` like any other prompt file.
 """
@@ -55,7 +55,7 @@ def shingles(text: str) -> set[tuple[str, ...]]:
 
 def benchmark_texts() -> list[str]:
     """The prompts of ``specdec bench``: built-in sets and ``benchmarks/*.jsonl``."""
-    from specdec.prompt_sets import PROMPTS, load_jsonl
+    from specdec.bench.prompt_sets import PROMPTS, load_jsonl
 
     texts = [p for prompts in PROMPTS.values() for p in prompts]
     for path in sorted(glob.glob("benchmarks/*.jsonl")):
@@ -126,7 +126,7 @@ def main() -> None:
     from specdec import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="training/self_instruct.jsonl")
+    parser.add_argument("--out", default="train_prompts/self_instruct.jsonl")
     parser.add_argument("--count", type=int, default=2400)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--batch", type=int, default=48)

@@ -6,7 +6,7 @@ explanations) and hand-written templates with random fillers (open questions, li
 short writing tasks, arithmetic word problems, small coding tasks). None of them is a
 prompt of ``specdec bench``'s built-in sets (checked below) or of a public evaluation set.
 
-    python scripts/make_train_prompts.py --out training/prompts.jsonl --count 2400 --seed 0
+    python scripts/make_train_prompts.py --out train_prompts/prompts.jsonl --count 2400 --seed 0
 
 The target model answers these prompts during ``specdec train`` (self-distillation).
 """
@@ -128,7 +128,7 @@ def build(count: int, seed: int) -> list[dict]:
                  "and why?"),
         lambda: f"Plan a simple one-week schedule for {rng.choice(ACTIVITIES)}.",
     ]
-    from specdec.prompt_sets import PROMPTS
+    from specdec.bench.prompt_sets import PROMPTS
 
     forbidden = {p for prompts in PROMPTS.values() for p in prompts}
     seen, out = set(), []
@@ -143,7 +143,7 @@ def build(count: int, seed: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="training/prompts.jsonl")
+    parser.add_argument("--out", default="train_prompts/prompts.jsonl")
     parser.add_argument("--count", type=int, default=2400)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -24,7 +24,7 @@ def measure(mode: str) -> dict:
     import torch
 
     from specdec import LLM, SamplingParams
-    from specdec.quantization import weight_bytes
+    from specdec.model.quantization import weight_bytes
 
     torch.set_num_threads(2)
     imports = status()

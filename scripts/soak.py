@@ -194,7 +194,7 @@ def main() -> None:
                         help="the engine's memory is read after each part of the requests")
     args = parser.parse_args()
 
-    from specdec.models import load_tokenizer, resolve_model_dir
+    from specdec.model.loading import load_tokenizer, resolve_model_dir
 
     corpus = doc_tokens(load_tokenizer(resolve_model_dir(None)))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores", flush=True)

@@ -1,5 +1,5 @@
 """Rewrite drafter weight files with their large matrices as int8 rows plus scales
-(specdec.draft_checkpoint.store_int8), in place: how the shipped drafters that would
+(specdec.drafting.checkpoint.store_int8), in place: how the shipped drafters that would
 otherwise overrun the shipped-weights budget are stored (BENCHMARKS.md, "Shipped drafters").
 
     python scripts/store_int8.py FILE.safetensors [...]
@@ -8,7 +8,7 @@ otherwise overrun the shipped-weights budget are stored (BENCHMARKS.md, "Shipped
 import argparse
 from pathlib import Path
 
-from specdec.draft_checkpoint import INT8_SCALE, load_tensors, save_tensors, store_int8
+from specdec.drafting.checkpoint import INT8_SCALE, load_tensors, save_tensors, store_int8
 
 
 def main() -> None:

@@ -43,10 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SCALES = {
     "tiny": dict(self_instruct=4, prompt_files=[], max_new_tokens=16, gen_batch=8, epochs=1, max_steps=2,
                  batch_size=2, eval_prompts=2, eval_tokens=16, generation_batch=8),
-    "cpu": dict(self_instruct=600, prompt_files=["training/prompts.jsonl"], max_new_tokens=160, gen_batch=24,
+    "cpu": dict(self_instruct=600, prompt_files=["train_prompts/prompts.jsonl"], max_new_tokens=160, gen_batch=24,
                 epochs=1, max_steps=None, batch_size=8, eval_prompts=16, eval_tokens=96, generation_batch=48),
-    "gpu": dict(self_instruct=20000, prompt_files=["training/prompts.jsonl", "training/self_instruct.jsonl",
-                                                   "training/self_instruct_2.jsonl"],
+    "gpu": dict(self_instruct=20000, prompt_files=["train_prompts/prompts.jsonl", "train_prompts/self_instruct.jsonl",
+                                                   "train_prompts/self_instruct_2.jsonl"],
                 max_new_tokens=256, gen_batch=256, epochs=2, max_steps=None, batch_size=32, eval_prompts=16,
                 eval_tokens=96, generation_batch=512),
 }
@@ -84,7 +84,7 @@ def write_prompts(run: Path, scale: dict, seed: int, public: list[str]) -> Path:
     lines = []
     for name in scale["prompt_files"]:
         rows = [line for line in (ROOT / name).read_text().splitlines() if line.strip()]
-        lines += rows[:-16] if name == "training/prompts.jsonl" else rows
+        lines += rows[:-16] if name == "train_prompts/prompts.jsonl" else rows
     lines += [line for line in written.read_text().splitlines() if line.strip()]
     if public:
         from specdec.training.data import public_prompts

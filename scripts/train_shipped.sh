@@ -7,10 +7,10 @@ PY=.venv/bin/python
 SPECDEC=.venv/bin/specdec
 # 1. The prompt set (made here from the standard library's docstrings and templates; no
 #    benchmark or public evaluation prompts): 2400 prompts, the last 16 held out.
-$PY scripts/make_train_prompts.py --out training/prompts.jsonl --count 2400 --seed 0
+$PY scripts/make_train_prompts.py --out train_prompts/prompts.jsonl --count 2400 --seed 0
 # 2. draft_target: the target answers the first ${DT_SAMPLES:-2384} prompts (bfloat16, greedy,
 #    160 tokens), a 2-layer draft learns them.
-$SPECDEC train draft_target --data training/prompts.jsonl --out .train/draft_target \
+$SPECDEC train draft_target --data train_prompts/prompts.jsonl --out .train/draft_target \
     --max-samples "${DT_SAMPLES:-2384}" --epochs "${DT_EPOCHS:-4}" --batch-size 8 --lr 1e-3 \
     --set draft_layers=2 --set draft_vocab_size=8192 ${RESUME:+--resume}
 dest=plugins/spec_draft_target/specdec_draft_target/weights/smollm2-135m-instruct
@@ -22,12 +22,12 @@ $PY scripts/store_int8.py "$dest/model.safetensors"
 #    layers 1, 14, 26 and the final norm are computed once into .train/eagle3/features.
 mkdir -p .train/eagle3 .train/eagle
 cp -n .train/draft_target/samples.jsonl .train/eagle3/ || true
-$SPECDEC train eagle3 --data training/prompts.jsonl --out .train/eagle3 --epochs "${EAGLE_EPOCHS:-3}" \
+$SPECDEC train eagle3 --data train_prompts/prompts.jsonl --out .train/eagle3 --epochs "${EAGLE_EPOCHS:-3}" \
     --batch-size 8 --lr 1e-3 --set draft_vocab_size=4096 ${RESUME:+--resume}
 # 4. eagle (EAGLE-1): same answers, reading the final-norm features eagle3's store holds.
 cp -n .train/draft_target/samples.jsonl .train/eagle/ || true
 ln -sfn ../eagle3/features .train/eagle/features
-$SPECDEC train eagle --data training/prompts.jsonl --out .train/eagle --epochs "${EAGLE_EPOCHS:-3}" \
+$SPECDEC train eagle --data train_prompts/prompts.jsonl --out .train/eagle --epochs "${EAGLE_EPOCHS:-3}" \
     --batch-size 8 --lr 1e-3 ${RESUME:+--resume}
 for gen in eagle eagle3; do
     dest=plugins/spec_eagle/specdec_eagle/weights/smollm2-135m-instruct-$gen
@@ -41,7 +41,7 @@ $PY scripts/store_int8.py plugins/spec_eagle/specdec_eagle/weights/smollm2-135m-
 mkdir -p .train/medusa
 cp -n .train/draft_target/samples.jsonl .train/medusa/ || true
 ln -sfn ../eagle3/features .train/medusa/features
-$SPECDEC train medusa --data training/prompts.jsonl --out .train/medusa --epochs "${MEDUSA_EPOCHS:-3}" \
+$SPECDEC train medusa --data train_prompts/prompts.jsonl --out .train/medusa --epochs "${MEDUSA_EPOCHS:-3}" \
     --batch-size 8 --lr 1e-3 ${RESUME:+--resume}
 dest=plugins/spec_medusa/specdec_medusa/weights/smollm2-135m-instruct-medusa
 mkdir -p "$dest"
@@ -51,7 +51,7 @@ cp .train/medusa/{config.json,medusa_lm_head.safetensors,draft_vocab.safetensors
 mkdir -p .train/redrafter
 cp -n .train/draft_target/samples.jsonl .train/redrafter/ || true
 ln -sfn ../eagle3/features .train/redrafter/features
-$SPECDEC train redrafter --data training/prompts.jsonl --out .train/redrafter --epochs "${REDRAFTER_EPOCHS:-3}" \
+$SPECDEC train redrafter --data train_prompts/prompts.jsonl --out .train/redrafter --epochs "${REDRAFTER_EPOCHS:-3}" \
     --batch-size 8 --lr 1e-3 ${RESUME:+--resume}
 dest=plugins/spec_redrafter/specdec_redrafter/weights/smollm2-135m-instruct-redrafter
 mkdir -p "$dest"
@@ -61,7 +61,7 @@ cp .train/redrafter/{config.json,model.safetensors,draft_vocab.safetensors} "$de
 #    answers; its own store of final-norm features (the module reads nothing else).
 mkdir -p .train/mtp
 cp -n .train/draft_target/samples.jsonl .train/mtp/ || true
-$SPECDEC train mtp --data training/prompts.jsonl --out .train/mtp --max-samples "${DT_SAMPLES:-2384}" \
+$SPECDEC train mtp --data train_prompts/prompts.jsonl --out .train/mtp --max-samples "${DT_SAMPLES:-2384}" \
     --epochs "${MTP_EPOCHS:-3}" --batch-size 8 --lr 1e-3 ${RESUME:+--resume}
 dest=plugins/spec_mtp/specdec_mtp/weights/smollm2-135m-instruct-mtp
 mkdir -p "$dest"
@@ -70,8 +70,8 @@ $PY scripts/store_int8.py "$dest/model.safetensors"
 # 8. the MTP module fine-tuned on requests the target wrote itself: 2951 of them
 #    (scripts/make_self_instruct_prompts.py; none on a benchmark prompt's topic), answered in
 #    128 tokens, two epochs from the module of step 7 (`--init default`) at a third of its lr.
-$PY scripts/make_self_instruct_prompts.py --out training/self_instruct.jsonl --count 3000 --seed 1
-$SPECDEC train mtp --data training/self_instruct.jsonl --out .train/mtp_si --init default \
+$PY scripts/make_self_instruct_prompts.py --out train_prompts/self_instruct.jsonl --count 3000 --seed 1
+$SPECDEC train mtp --data train_prompts/self_instruct.jsonl --out .train/mtp_si --init default \
     --epochs "${MTP_SI_EPOCHS:-2}" --batch-size 8 --lr 3e-4 --max-new-tokens 128 --gen-batch-size 32 \
     ${RESUME:+--resume}
 cp .train/mtp_si/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"

@@ -36,7 +36,7 @@ def smol_hf():
     """The same weights as a stock transformers model (the reference)."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.models import resolve_model_dir
+    from specdec.model.loading import resolve_model_dir
 
     return AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=torch.float32).eval()
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from specdec import Drafter, DraftProposal, hookimpl
-from specdec.kernels import AttentionLayout, SequenceSlice
+from specdec.drafting.tree import ancestor_mask
+from specdec.kvcache.layout import AttentionLayout, SequenceSlice
 from specdec.testing import first_divergence, near_tie_at  # noqa: F401 - re-exported for the tests
-from specdec.tree import ancestor_mask
 
 
 class OracleDrafter(Drafter):
@@ -99,7 +99,7 @@ def child_processes(pid: int) -> list[int]:
 def tiny_chat_model(directory) -> Path:
     """A tiny random Llama (4 heads, 2 KV heads) with the embedded model's tokenizer and chat
     template: text in and out at a tiny model's cost."""
-    from specdec.models import resolve_model_dir
+    from specdec.model.loading import resolve_model_dir
     from specdec.testing import tiny_model_dir
 
     path = tiny_model_dir(directory, "llama", vocab_size=49152)

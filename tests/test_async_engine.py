@@ -9,8 +9,8 @@ import time
 import pytest
 
 from specdec import LLM, SamplingParams
-from specdec.async_engine import AsyncEngine, EngineUnavailable
 from specdec.errors import RequestError
+from specdec.serving.async_engine import AsyncEngine, EngineUnavailable
 
 
 def test_requests_cancelled_while_being_added_leave_the_engine_serving(smol):

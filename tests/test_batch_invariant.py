@@ -11,7 +11,6 @@ from helpers import random_layout
 
 from specdec import LLM, SamplingParams, kernels, testing
 from specdec.config import EngineConfig
-from specdec.executor.engine import resolve_batch_invariant
 from specdec.kernels import (
     AttentionLayout,
     SequenceSlice,
@@ -22,16 +21,17 @@ from specdec.kernels import (
 )
 from specdec.kernels.attention import paged_attention_torch
 from specdec.kernels.cpu import invariant_attention_cpu, kernel_available
-from specdec.kernels.invariant import (
+from specdec.kernels.prepacked import can_prepack
+from specdec.kernels.triton_kernels import invariant_attention_triton
+from specdec.kvcache.layout import slot_ids
+from specdec.numerics.auto import resolve_batch_invariant
+from specdec.numerics.invariant import (
     LinearPlan,
     invariant_attention_torch,
     mode_costs_nothing,
     plan_weight,
     planned_linear,
 )
-from specdec.kernels.layout import slot_ids
-from specdec.kernels.prepacked import can_prepack
-from specdec.kernels.triton_kernels import invariant_attention_triton
 from specdec.testing import running_server, stream_chat
 
 #: the implementations of the mode's attention (CUDA uses the Triton one, which CPU tests run

@@ -78,7 +78,7 @@ def test_a_repetition_frees_the_engines_of_the_one_before(tmp_path, monkeypatch)
     import gc
     import weakref
 
-    from specdec import bench
+    from specdec.bench import runner as bench
     from specdec.config_loading import config_from_dict
 
     alive, seen = weakref.WeakSet(), []
@@ -99,7 +99,7 @@ def test_a_repetition_frees_the_engines_of_the_one_before(tmp_path, monkeypatch)
 
 
 def test_systems_take_turns_batch_by_batch_in_a_rotating_order(tmp_path, monkeypatch):
-    from specdec import bench
+    from specdec.bench import runner as bench
     from specdec.config_loading import config_from_dict
 
     calls = []
@@ -125,9 +125,10 @@ def test_systems_take_turns_batch_by_batch_in_a_rotating_order(tmp_path, monkeyp
 def test_a_multi_turn_set_answers_each_turn_with_the_answers_before_it(tmp_path, monkeypatch):
     """``{"turns": [...]}`` lines: each turn goes out with the earlier turns and the method's
     own answers to them, turn by turn across the batch; single-turn lines beside them."""
-    from specdec import LLM, bench
+    from specdec import LLM
+    from specdec.bench import runner as bench
+    from specdec.bench.prompt_sets import Turns, load_jsonl
     from specdec.config_loading import config_from_dict
-    from specdec.prompt_sets import Turns, load_jsonl
 
     data = tmp_path / "agent.jsonl"
     data.write_text(json.dumps({"turns": ["Say one.", "Say two.", "Say three."], "category": "agent"}) + "\n"
@@ -155,7 +156,7 @@ def test_a_multi_turn_set_answers_each_turn_with_the_answers_before_it(tmp_path,
 
 
 def test_concurrent_requests_are_distinct():
-    from specdec.bench import concurrent_requests
+    from specdec.bench.runner import concurrent_requests
 
     convs = [[{"role": "user", "content": "Say hi."}]]
     batch = concurrent_requests(convs, 3)
@@ -164,7 +165,7 @@ def test_concurrent_requests_are_distinct():
 
 
 def test_a_method_file_sets_engine_options_over_the_runs_own(tmp_path):
-    from specdec.bench import method_config
+    from specdec.bench.runner import method_config
     from specdec.config_loading import config_from_dict
 
     base = config_from_dict({"engine": {"max_batch_size": 4, "batch_invariant": False}})
@@ -180,7 +181,7 @@ def test_a_method_file_sets_engine_options_over_the_runs_own(tmp_path):
 def test_each_repetition_starts_from_fresh_drafters_warmed_up_outside_the_sets(monkeypatch):
     """Issue 10: with ngram's public pool, a second repetition used to copy the first one's
     answers, and the warm-up ran the measured chat prompt."""
-    from specdec import bench
+    from specdec.bench import runner as bench
     from specdec.config import SpecdecConfig
 
     built, prompts_seen = [], []
@@ -207,7 +208,7 @@ def test_each_repetition_starts_from_fresh_drafters_warmed_up_outside_the_sets(m
 def test_table_labels_methods_whose_output_a_lossy_rule_decided():
     import io
 
-    from specdec.bench import CategoryResult, print_table
+    from specdec.bench.runner import CategoryResult, print_table
 
     exact, lossy = CategoryResult(tokens=10, seconds=1.0), CategoryResult(tokens=12, seconds=1.0)
     lossy.metrics.lossless = False
@@ -223,7 +224,7 @@ def test_table_labels_methods_whose_output_a_lossy_rule_decided():
 def test_table_notes_batched_outputs_that_differ_from_plain():
     import io
 
-    from specdec.bench import print_table
+    from specdec.bench.runner import print_table
 
     def row(same):
         return {"tokens_per_s": 1.0, "speedup_vs_plain": 1.0, "identical_to_plain": same}
@@ -264,8 +265,8 @@ def test_bench_llama_cpp_beside_an_int4_target(tmp_path):
 
 def test_llama_cpp_errors_name_the_fix(tmp_path, monkeypatch, tiny_models):
     from specdec import LLM
-    from specdec.bench import llama_cpp_systems
-    from specdec.models import embedded_gguf_path
+    from specdec.bench.runner import llama_cpp_systems
+    from specdec.model.loading import embedded_gguf_path
 
     result = specdec("bench", "plain", "--llama-cpp", "--model", str(tiny_models["llama"]), "--max-tokens", "4")
     assert result.returncode == 2 and "GGUF file the target comes from" in result.stderr
@@ -280,7 +281,7 @@ def test_llama_cpp_errors_name_the_fix(tmp_path, monkeypatch, tiny_models):
 
 
 def test_the_header_names_the_numerics_each_method_ran_in():
-    from specdec.bench import numerics_line
+    from specdec.bench.runner import numerics_line
 
     assert numerics_line({"batch_invariant": {"plain": True, "ngram": True}}) == "numerics: batch-invariant"
     assert numerics_line({"batch_invariant": {"plain": False, "ngram": False}}) == "numerics: stock"
@@ -318,7 +319,7 @@ def test_with_llama_cpp_every_system_has_its_ratio_to_the_fastest_llama_cpp_and_
     rates, so the check needs no llama-cpp-python)."""
     import io
 
-    from specdec import bench
+    from specdec.bench import runner as bench
     from specdec.config_loading import config_from_dict
 
     def fake(rate):
@@ -360,8 +361,8 @@ def test_native_llama_cpp_is_found_or_built_and_its_server_answers_timed(tmp_pat
     import shutil
 
     from specdec import LLM
-    from specdec.llama_cpp_native import LlamaServer, find_binaries, llama_bench
-    from specdec.models import embedded_gguf_path
+    from specdec.bench.llama_cpp_native import LlamaServer, find_binaries, llama_bench
+    from specdec.model.loading import embedded_gguf_path
 
     build = os.environ.get("SPECDEC_TEST_BUILD_LLAMA_CPP") == "1"
     if build and not all(shutil.which(tool) for tool in ("cmake", "c++")):

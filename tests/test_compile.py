@@ -9,10 +9,11 @@ from torch._dynamo.utils import counters
 
 from specdec import LLM, SamplingParams, testing
 from specdec.errors import ConfigError
-from specdec.kernels import AttentionLayout, SequenceSlice, int8_dot
+from specdec.kernels import int8_dot
 from specdec.kvcache import PagedKVCache
-from specdec.models import load_causal_lm
-from specdec.target_model import ForwardMetadata, TargetModel
+from specdec.kvcache.layout import AttentionLayout, SequenceSlice
+from specdec.model.loading import load_causal_lm
+from specdec.model.target import ForwardMetadata, TargetModel
 
 
 def _forwards(target: TargetModel) -> list[tuple[torch.Tensor, dict]]:

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec import LLM
-from specdec.kernels import cpu, prepack_linear, restore_linear
+from specdec.kernels import cpu, prepack_linear
+from specdec.numerics.invariant import restore_linear
 from specdec.testing import check_greedy_lossless
 
 pytestmark = pytest.mark.skipif(not cpu.linear_kernel_available(),
@@ -112,7 +113,7 @@ def test_the_embedded_model_computes_the_same_logits_through_the_kernel(without_
     the model's 30 layers spread bfloat16 rounding to ~0.2 a logit), and its greedy choices
     are the float32 model's wherever the top two are not a near-tie there."""
     from specdec.kernels import prepack_linears
-    from specdec.models import load_causal_lm, load_tokenizer, resolve_model_dir
+    from specdec.model.loading import load_causal_lm, load_tokenizer, resolve_model_dir
 
     path = resolve_model_dir(None)
     tokenizer = load_tokenizer(path)

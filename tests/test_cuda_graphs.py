@@ -8,10 +8,10 @@ import torch
 from specdec import LLM, SamplingParams, testing
 from specdec.errors import ConfigError
 from specdec.executor.cuda_graphs import CudaGraphs, batch_buckets, pad_step
-from specdec.kernels import AttentionLayout, SequenceSlice
 from specdec.kvcache import PagedKVCache
-from specdec.models import load_causal_lm
-from specdec.target_model import ForwardMetadata, TargetModel
+from specdec.kvcache.layout import AttentionLayout, SequenceSlice
+from specdec.model.loading import load_causal_lm
+from specdec.model.target import ForwardMetadata, TargetModel
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
@@ -56,8 +56,8 @@ def test_cuda_graphs_beside_compile_or_invariant_mode_or_on_a_cpu_are_errors(tin
 def test_steps_no_graph_holds_run_eagerly_and_show_in_metrics(tiny_models):
     """Where the paged attention is not the Triton kernel (here, a CPU), every step runs
     the eager forward and is counted so in /metrics; output is the eager engine's."""
-    from specdec.async_engine import engine_stats
-    from specdec.server_metrics import ServerMetrics
+    from specdec.serving.async_engine import engine_stats
+    from specdec.serving.metrics import ServerMetrics
 
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     want = LLM(model=str(tiny_models["llama"]), dtype="float32", device="cpu").generate([[5, 6, 7]], params)

@@ -5,7 +5,7 @@ file is named."""
 import pytest
 import torch
 
-from specdec.draft_checkpoint import INT8_MIN_ELEMENTS, INT8_SCALE, load_tensors, save_tensors, store_int8
+from specdec.drafting.checkpoint import INT8_MIN_ELEMENTS, INT8_SCALE, load_tensors, save_tensors, store_int8
 from specdec.errors import ModelLoadError
 
 
@@ -45,7 +45,7 @@ def test_a_scale_without_its_matrix_is_named(tmp_path):
 
 
 def test_restricted_head_takes_the_rows_of_the_drafting_vocabulary(tmp_path):
-    from specdec.draft_checkpoint import restricted_head, save_draft_vocab
+    from specdec.drafting.checkpoint import restricted_head, save_draft_vocab
 
     head = torch.nn.Linear(8, 50, bias=False)
     projection, vocab = restricted_head(head, tmp_path, 50)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams, hookimpl, testing
-from specdec.drafting import DraftProposal
+from specdec.drafting.interface import DraftProposal
 from specdec.executor.planner import (
     AcceptanceStats,
     DraftOption,
@@ -182,8 +182,8 @@ def test_cost_model_keeps_a_token_price_while_every_step_had_the_same_tokens():
 
 def test_attention_work_counts_the_padded_groups_the_torch_attention_runs():
     from specdec.executor.planner import StepShape, attention_work
-    from specdec.kernels.layout import GROUP_PAIRS
-    from specdec.kernels.layout import KEY_GATHER_PAIRS as G
+    from specdec.kvcache.layout import GROUP_PAIRS
+    from specdec.kvcache.layout import KEY_GATHER_PAIRS as G
 
     batch = StepShape([(300, 1)] * 8, padded=True)
     assert batch.work == pytest.approx((GROUP_PAIRS + 8 * 301 * (1 + G)) / 1000)
@@ -205,7 +205,7 @@ def test_draft_trees_cost_a_batch_of_their_own_in_the_batch_invariant_torch_atte
     four beside seven decodes measured 7-12 ms more than a chain of four): the planner
     prices that where the engine runs it, and only for trees."""
     from specdec.executor.planner import StepShape, attention_work
-    from specdec.kernels.layout import TREE_BATCH_PAIRS
+    from specdec.kvcache.layout import TREE_BATCH_PAIRS
 
     sequences = [(300, 1)] * 8
     invariant, stock = StepShape(sequences, padded=True, tree_batch=True), StepShape(sequences, padded=True)
@@ -226,7 +226,7 @@ def test_draft_trees_cost_a_batch_of_their_own_in_the_batch_invariant_torch_atte
 
 
 def test_padded_groups_merge_where_padding_costs_less_than_a_group():
-    from specdec.kernels.layout import padded_groups
+    from specdec.kvcache.layout import padded_groups
 
     assert padded_groups([(300, 1)] * 7 + [(300, 2)]) == [list(range(8))]
     assert padded_groups([(300, 1)] * 7 + [(300, 16)]) == [list(range(7)), [7]]
@@ -611,7 +611,7 @@ def test_a_dynamic_tree_drafter_gets_the_chain_or_the_tree_whichever_pays_more_f
     whose chains are accepted deep gets a chain (a tree's extra nodes would cost more than
     they add); one whose chains fail early but whose trees hold the right token gets the
     tree; the answer is (depth, nodes) with nodes == depth for a chain."""
-    from specdec.drafting import TREE_KIND
+    from specdec.drafting.interface import TREE_KIND
     from specdec.executor.planner import DraftPlanner, StepShape
 
     planner = DraftPlanner(nodes_for_depth=lambda depth: 3 * depth + 1, probe_interval=4, chain_or_tree=True)
@@ -653,8 +653,8 @@ def test_the_chain_inside_a_dynamic_tree_is_its_path_of_first_children():
     """A dynamic tree lists children likeliest first (``DynamicTree.expand`` adds top-k in
     order, ``rerank`` keeps node order), so its chain is the path of first children: what
     the engine counts as the chain's acceptance when it verifies the tree."""
-    from specdec.drafting import first_child_path
-    from specdec.tree import DynamicTree
+    from specdec.drafting.interface import first_child_path
+    from specdec.drafting.tree import DynamicTree
 
     tree = DynamicTree(top_k=2)
     tree.expand(torch.log_softmax(torch.tensor([[0.0, 3.0, 2.0, -1.0]]), -1))  # root: tokens 1, then 2

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import stock_model
-from specdec.draft_runner import DraftInput, DraftRunner, causal_lm_forward
+from specdec.drafting.runner import DraftInput, DraftRunner, causal_lm_forward
 
 
 def _models(directory):
@@ -108,7 +108,7 @@ def test_a_feature_queue_rolls_back_to_a_row_inside_a_block_or_chunk():
     """A recompute from a position the queue holds (a preempted request computed again)
     keeps the rows before it, fused blocks and unfused chunks cut where the position
     falls, tokens alike."""
-    from specdec.feature_drafter import FeatureQueue
+    from specdec.drafting.feature_drafter import FeatureQueue
 
     rows = torch.arange(16.0).reshape(8, 2)
     queue = FeatureQueue(tokens=list(range(10, 18)), fused=[rows[:2], rows[2:3]],

@@ -454,10 +454,10 @@ def test_drafter_faults_cost_drafts_never_output_and_are_counted(tiny_models, fa
 
 
 def test_drafter_faults_show_in_stats_metrics_and_bench(tiny_models, capsys):
-    from specdec.async_engine import engine_stats
-    from specdec.bench import CategoryResult
+    from specdec.bench.runner import CategoryResult
     from specdec.cli import _print_stats
-    from specdec.server_metrics import ServerMetrics
+    from specdec.serving.async_engine import engine_stats
+    from specdec.serving.metrics import ServerMetrics
 
     model = str(tiny_models["llama"])
     llm = LLM(model=model, dtype="float32", speculative_config={

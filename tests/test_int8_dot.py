@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from specdec.kernels import int8_dot
-from specdec.quantization import W4A8Linear, W8A8Linear, quantize_groups_int4, quantize_rows_int8, rows_are_independent
+from specdec.model.quantization import (
+    W4A8Linear,
+    W8A8Linear,
+    quantize_groups_int4,
+    quantize_rows_int8,
+    rows_are_independent,
+)
 
 pytestmark = pytest.mark.skipif(not int8_dot.kernel_available(), reason="the integer-dot kernels are not built here")
 

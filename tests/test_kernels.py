@@ -5,10 +5,10 @@ import torch
 from helpers import random_layout
 
 from specdec import DraftProposal
-from specdec.kernels import AttentionLayout, SequenceSlice, chain_rejection_torch, greedy_tree_verify_torch
+from specdec.kernels import chain_rejection_torch, greedy_tree_verify_torch
 from specdec.kernels.attention import paged_attention_torch
 from specdec.kernels.kv_copy import copy_kv_slots_torch
-from specdec.kernels.layout import slot_ids
+from specdec.kvcache.layout import AttentionLayout, SequenceSlice, slot_ids
 from specdec.sampler import verify_greedy
 
 triton_kernels = pytest.importorskip("specdec.kernels.triton_kernels")

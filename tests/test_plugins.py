@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from specdec import LLM, hookspecs, testing
+from specdec import LLM, testing
+from specdec.drafting import hookspecs
 from specdec.errors import ConfigError, PluginError
 from specdec.plugins import get_registry, hook_names, reset_registry
 

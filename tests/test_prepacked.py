@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from specdec import LLM, SamplingParams
-from specdec.kernels import make_linear_invariant, prepack_linear, prepacked, restore_linear
+from specdec.kernels import prepack_linear, prepacked
 from specdec.kernels.prepacked import can_prepack, packed_linear
+from specdec.numerics.invariant import make_linear_invariant, restore_linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 #: whether oneDNN's reordered bfloat16 product is bit-identical to ``F.linear`` on this CPU (on

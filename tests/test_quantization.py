@@ -8,8 +8,8 @@ from helpers import long_document_prompt
 
 from specdec import LLM, SamplingParams, testing
 from specdec.errors import ConfigError, ModelLoadError
-from specdec.models import quantize_target
-from specdec.quantization import (
+from specdec.model.loading import quantize_target
+from specdec.model.quantization import (
     GROUP_SIZE,
     Int4Linear,
     Int8Embedding,
@@ -60,8 +60,8 @@ def test_gguf_blocks_are_the_files_own_weights(smol_hf):
     """The embedded Q4_1 file's blocks, taken as they are, equal transformers' dequantization
     of it; its Q8_0 embedding, rounded a few thousand rows at a time, equals the whole float32
     matrix rounded at once."""
-    from specdec.gguf_blocks import quantized_layers
-    from specdec.models import embedded_gguf_path
+    from specdec.model.gguf_blocks import quantized_layers
+    from specdec.model.loading import embedded_gguf_path
 
     layers = quantized_layers(embedded_gguf_path(), smol_hf.config, torch.float32)
     embedding = layers.pop("model.embed_tokens")
@@ -163,7 +163,7 @@ def test_quantized_sampling_follows_the_quantized_target(tiny_models):
 def test_low_memory_load_equals_load_then_quantize(tiny_models):
     from transformers import AutoModelForCausalLM
 
-    from specdec.quantization import quantize_model
+    from specdec.model.quantization import quantize_model
 
     path = tiny_models["llama"]
     streamed = quantize_target(path, "int4", torch.float32, torch.device("cpu"))
@@ -223,7 +223,7 @@ def test_auto_runs_a_q4_gguf_on_the_integer_dot_kernels(smol):
 def test_auto_leaves_other_gguf_schemes_unquantized_and_refuses_them_by_name(tmp_path, caplog):
     import gguf
 
-    from specdec.models import resolve_quantization
+    from specdec.numerics.auto import resolve_quantization
 
     path = tmp_path / "f16.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -234,7 +234,7 @@ def test_auto_leaves_other_gguf_schemes_unquantized_and_refuses_them_by_name(tmp
     writer.write_tensors_to_file()
     writer.close()
     cpu = torch.device("cpu")
-    with caplog.at_level("INFO", logger="specdec.models"):
+    with caplog.at_level("INFO", logger="specdec.model.loading"):
         assert resolve_quantization("auto", "auto", cpu, path) is None
     assert "linear layers are F16" in caplog.text
     with pytest.raises(ConfigError, match=r"w4a8 takes a GGUF file's Q4_0 or Q4_1 blocks.*holds F16 linear layers"):

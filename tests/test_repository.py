@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import attrs
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +49,8 @@ def test_the_documentation_builds_strictly(tmp_path):
     configuration = (site / "reference" / "configuration" / "index.html").read_text()
     hooks = (site / "reference" / "hooks" / "index.html").read_text()
     # generated from the code: every key of the engine's config and every hook, with its docs
-    from specdec import hookspecs
     from specdec.config import EngineConfig
+    from specdec.drafting import hookspecs
 
     for field in attrs.fields(EngineConfig):
         assert f"<code>{field.name}</code>" in configuration, field.name
@@ -63,3 +64,23 @@ def test_the_documentation_builds_strictly(tmp_path):
     for name in api.__all__:
         assert f"<code>{name}</code>" in plugin_api, name
     assert "One drafting method, as a plugin registers it." in plugin_api  # DecodingType's docstring
+
+
+def test_old_module_paths_warn_and_give_the_moved_modules_for_one_release():
+    import importlib
+
+    from specdec._moved import MOVED_MODULES, MOVED_NAMES
+
+    for old, new in MOVED_MODULES.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+            assert importlib.import_module(old) is importlib.import_module(new)
+    for package, names in {"specdec.drafting": ["Drafter", "DraftProposal"], "specdec.bench": ["run_bench"],
+                           "specdec.kernels": ["AttentionLayout", "make_linear_invariant"]}.items():
+        for name in names:
+            where = MOVED_NAMES[package]
+            module = where[name] if isinstance(where, dict) else where
+            with pytest.warns(DeprecationWarning, match=f"{package}.{name} moved to {module}.{name}"):
+                assert getattr(importlib.import_module(package), name) is getattr(importlib.import_module(module), name)
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        importlib.import_module("specdec.kernels").nothing_here

@@ -52,7 +52,7 @@ def test_the_server_resolves_its_engine_as_llm_does(tmp_path, smol):
 
     import torch
 
-    from specdec.async_engine import engine_info
+    from specdec.serving.async_engine import engine_info
 
     # the server is a fresh process with torch's own thread count; the suite's workers set theirs
     fresh = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
@@ -419,7 +419,7 @@ def test_an_api_key_guards_every_v1_route(tmp_path, smol):
     from fastapi.testclient import TestClient
     from openai import AuthenticationError, OpenAI
 
-    from specdec.server import ServerOptions, create_app
+    from specdec.serving.server import ServerOptions, create_app
 
     with running_server("dtype: float32\nsampling: {temperature: 0, max_tokens: 4}\n", tmp_path,
                         env={"SPECDEC_API_KEY": "sk-right"}) as base:
@@ -523,7 +523,7 @@ def test_a_request_past_the_timeout_gets_504_and_the_server_serves_on(smol):
     shape, or an error event ending the stream; its requests are aborted, others served."""
     from fastapi.testclient import TestClient
 
-    from specdec.server import ServerOptions, create_app
+    from specdec.serving.server import ServerOptions, create_app
 
     with TestClient(create_app(smol, ServerOptions(request_timeout=0.5))) as client:
         long = {"prompt": "Count:", "max_tokens": 400, "min_tokens": 400}

@@ -7,14 +7,14 @@ fault would show, not only through ``LLM(...)`` end to end."""
 import torch
 
 from specdec import SamplingParams, hookimpl
-from specdec.drafting import DraftProposal, StepResult
+from specdec.drafting.interface import DraftProposal, StepResult
+from specdec.drafting.tree import ancestor_mask
 from specdec.executor.kv_commit import KVCommit
 from specdec.executor.output_processor import OutputProcessor
 from specdec.executor.request import Request
 from specdec.executor.step_items import StepItem
 from specdec.executor.verifier import Verifier
 from specdec.kvcache import KVCacheManager, PagedKVCache
-from specdec.tree import ancestor_mask
 
 VOCAB, EOS = 16, 15
 
@@ -28,7 +28,7 @@ def request(prompt=(1, 2, 3), **params) -> Request:
 
 
 def tree_item(req: Request, proposal: DraftProposal) -> StepItem:
-    from specdec.drafting import TreeMask
+    from specdec.drafting.interface import TreeMask
 
     mask = ancestor_mask(proposal.parents)
     depths = [0] * len(proposal.parents)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams, hookimpl, testing
-from specdec.drafting import DraftProposal
+from specdec.drafting.interface import DraftProposal
 from specdec.errors import FieldError, RequestError
-from specdec.grammar import GrammarCompiler, apply_masks
+from specdec.sampler.grammar import GrammarCompiler, apply_masks
 from specdec.sampling_params import StructuredOutputs
 
 COLORS = r"(red|green|blue)( (red|green|blue)){3,6}"

@@ -146,7 +146,7 @@ def test_a_gguf_conversion_is_found_again_after_a_reinstall_and_stale_ones_go(tm
     time: reinstalling the embedded model's package must not convert (and store) it again."""
     import os
 
-    from specdec import models
+    from specdec.model import loading as models
 
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"

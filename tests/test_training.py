@@ -79,7 +79,7 @@ def test_feature_store_matches_the_target_resumes_grows_and_serves_fewer_layers(
 
     import torch
 
-    from specdec.models import load_causal_lm, load_tokenizer
+    from specdec.model.loading import load_causal_lm, load_tokenizer
     from specdec.training.data import Sample
     from specdec.training.features import INDEX, FeatureStore
     from specdec.training.method import TrainTarget
@@ -139,7 +139,7 @@ def test_a_target_served_quantized_answers_gives_features_and_is_evaluated_quant
     are the quantized target's greedy ones, the stored features its hidden states (not the
     unquantized target's), the held-out evaluation runs it; the store is computed again
     for a run without quantization."""
-    from specdec.models import load_weights
+    from specdec.model.loading import load_weights
     from specdec.training import TrainOptions, train
     from specdec.training.features import INDEX
     from specdec.training.method import TrainTarget
@@ -197,7 +197,7 @@ def test_init_starts_from_the_shipped_drafter_and_saves_it_back(train_target, me
     """``specdec train --init default`` on the embedded model: the trainer's module holds the
     shipped drafter, so saving before any step writes the shipped tensors back (within
     the shipped files' int8/bfloat16 storage)."""
-    from specdec.draft_checkpoint import DRAFT_VOCAB_FILE, load_tensors
+    from specdec.drafting.checkpoint import DRAFT_VOCAB_FILE, load_tensors
     from specdec.plugins import get_registry
 
     trainer_class = get_registry().resolve(method).trainer_class

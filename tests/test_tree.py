@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec import DraftProposal
-from specdec.tree import DynamicTree, StaticTree, ancestor_mask, default_tree_mask, prefix_trie
+from specdec.drafting.tree import DynamicTree, StaticTree, ancestor_mask, default_tree_mask, prefix_trie
 
 
 def test_candidates_merge_into_a_trie():

@@ -1,6 +1,6 @@
 """The executor: requests, scheduler, model runner and the speculative step."""
 
-from ..target_model import TargetModel
+from ..model.target import TargetModel
 from .engine import Engine
 from .request import Request
 from .step_items import StepOutput

@@ -27,9 +27,10 @@ import time
 import attrs
 import torch
 
-from ..kernels import AttentionLayout, SequenceSlice, paged_attention_is_triton
+from ..kernels import paged_attention_is_triton
 from ..kvcache import PagedKVCache
-from ..target_model import ForwardMetadata, TargetModel
+from ..kvcache.layout import AttentionLayout, SequenceSlice
+from ..model.target import ForwardMetadata, TargetModel
 
 log = logging.getLogger(__name__)
 

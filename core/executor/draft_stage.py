@@ -16,7 +16,7 @@ import time
 import pluggy
 import torch
 
-from ..drafting import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
+from ..drafting.interface import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..kvcache import KVCacheManager
 from .planner import DraftPlanner, StepShape
 from .request import Request

@@ -26,15 +26,15 @@ import torch
 from tqdm import tqdm
 
 from ..config import EngineConfig, SpeculativeConfig
-from ..drafting import StepResult
+from ..drafting.interface import StepResult
 from ..errors import FieldError, RequestError
-from ..grammar import GrammarCompiler
-from ..kernels import AttentionLayout, SequenceSlice, invariant_attention_is_kernel, paged_attention_is_triton
-from ..kernels.invariant import mode_costs_nothing
+from ..kernels import invariant_attention_is_kernel, paged_attention_is_triton
 from ..kvcache import HiddenStateCache, KVCacheManager
-from ..quantization import Int4Linear, Int8Linear, PackedLinear
+from ..kvcache.layout import AttentionLayout, SequenceSlice
+from ..model.target import ForwardMetadata, TargetModel
+from ..numerics.auto import resolve_batch_invariant, resolve_compile
+from ..sampler.grammar import GrammarCompiler
 from ..sampling_params import SamplingParams
-from ..target_model import ForwardMetadata, TargetModel
 from .cuda_graphs import CudaGraphs
 from .draft_stage import DraftStage
 from .kv_budget import kv_cache_blocks
@@ -49,49 +49,6 @@ from .step_items import StepItem, StepOutput
 from .verifier import Verifier
 
 log = logging.getLogger(__name__)
-
-
-def compiles_invariant(target: TargetModel) -> bool:
-    """Whether ``target``'s compiled forward is batch-invariant: a CPU target whose every
-    product runs the integer-dot kernels (invariant by construction) and whose attention
-    runs the CPU invariant kernel, called from the graph
-    (:class:`specdec.target_model.KeyRows`); inductor then fuses only each token's own
-    work between them, in one graph for every step (:meth:`TargetModel.compile`)."""
-    modules = list(target.model.modules())
-    return (target.device.type == "cpu" and invariant_attention_is_kernel(target.device)
-            and any(isinstance(m, PackedLinear) for m in modules)
-            and not any(isinstance(m, (torch.nn.Linear, Int4Linear, Int8Linear)) for m in modules))
-
-
-def resolve_compile(config: EngineConfig, target: TargetModel) -> bool:
-    """``engine.compile`` as the engine runs it: ``auto`` is on for a bfloat16 target whose
-    compiled forward is batch-invariant (:func:`compiles_invariant`) unless
-    ``batch_invariant: false`` asks for stock numerics: there compiling keeps greedy
-    speculative output bit-identical to plain output and halves a step's time."""
-    if config.compile != "auto":
-        return config.compile
-    return config.batch_invariant is not False and target.dtype == torch.bfloat16 and compiles_invariant(target)
-
-
-def resolve_batch_invariant(config: EngineConfig, target: TargetModel, compiled: bool = False) -> bool:
-    """``engine.batch_invariant`` as the engine runs it: ``auto`` is on for a bfloat16 CPU
-    target unquantized or on the integer-dot kernels (``w4a8``, ``w8a8``, invariant by
-    construction; torch's packed int4/int8 layers were not measured), whose every layer the
-    mode runs as cheaply as stock numerics
-    (:func:`specdec.kernels.invariant.mode_costs_nothing`), where it was measured to cost what
-    stock numerics cost; when ``compiled``, only where the compiled forward is invariant.
-    ``true`` beside a compiled forward that cannot be is refused."""
-    if config.batch_invariant is True and compiled and not compiles_invariant(target):
-        raise FieldError("engine.batch_invariant", "true cannot be combined with compile: true on this target: the "
-                                                   "compiled forward is batch-invariant only on a CPU with every "
-                                                   "linear layer on the integer-dot kernels (quantization: w4a8 or "
-                                                   "w8a8); turn compile or batch_invariant off")
-    if config.batch_invariant != "auto":
-        return config.batch_invariant
-    on_torch_packed = any(isinstance(m, (Int4Linear, Int8Linear)) for m in target.model.modules())
-    return (target.device.type == "cpu" and target.dtype == torch.bfloat16
-            and (not compiled or compiles_invariant(target)) and not on_torch_packed
-            and mode_costs_nothing(target.model, target.layer_shapes))
 
 
 def _reads_prompt_hidden_states(hooks: pluggy.PluginManager) -> bool:

@@ -10,7 +10,7 @@ import torch
 
 from ..config import EngineConfig
 from ..kvcache import HiddenStateCache, PagedKVCache
-from ..target_model import TargetModel
+from ..model.target import TargetModel
 
 
 def free_memory_bytes(device: torch.device) -> int:

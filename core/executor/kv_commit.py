@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..drafting import StepResult
+from ..drafting.interface import StepResult
 from ..kvcache import HiddenStateCache, KVCacheManager
 from .step_items import StepItem
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..drafting import StepResult
+from ..drafting.interface import StepResult
 from .request import Request
 from .step_items import StepItem, StepOutput
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import AttentionLayout, SequenceSlice
 from ..kvcache import KVCacheManager
-from ..target_model import ForwardMetadata, TargetModel
+from ..kvcache.layout import AttentionLayout, SequenceSlice
+from ..model.target import ForwardMetadata, TargetModel
 from .cuda_graphs import CudaGraphs
 from .step_items import StepItem
 

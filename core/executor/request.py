@@ -7,7 +7,7 @@ import enum
 import attrs
 import torch
 
-from ..grammar import Grammar
+from ..sampler.grammar import Grammar
 from ..sampling_params import SamplingParams
 from .metrics import RequestMetrics
 

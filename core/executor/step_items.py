@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..drafting import DraftProposal, TreeMask
+from ..drafting.interface import DraftProposal, TreeMask
 from .request import Request
 
 

@@ -19,8 +19,7 @@ import time
 
 import torch
 
-from ..drafting import StepResult
-from ..grammar import apply_masks
+from ..drafting.interface import StepResult
 from ..sampler import (
     Verdict,
     probs_from_logits,
@@ -30,6 +29,7 @@ from ..sampler import (
     verify_sampled,
     verify_seeded,
 )
+from ..sampler.grammar import apply_masks
 from ..sampling_params import SamplingParams
 from .request import Request
 from .step_items import StepItem

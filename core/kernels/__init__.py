@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,11 +16,13 @@ from .attention import gather_context, grouped_attention, paged_attention_torch
 from .cpu import invariant_attention_cpu
 from .cpu import kernel_available as cpu_kernel_available
 from .cpu import kernel_fits as cpu_kernel_fits
-from .invariant import invariant_attention_torch, make_linear_invariant, restore_linear
+from .invariant_attention import invariant_attention_torch
 from .kv_copy import copy_kv_slots_torch
-from .layout import AttentionLayout, SequenceSlice
 from .prepacked import prepack_linear, prepack_linears
 from .verify import chain_rejection_torch, greedy_tree_verify_torch
+
+if TYPE_CHECKING:
+    from ..kvcache.layout import AttentionLayout
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ def invariant_attention_is_kernel(device: torch.device | str) -> bool:
 def invariant_attention(query, key_pool, value_pool, layout: AttentionLayout, scale, sliding_window=None,
                         softcap=None):
     """Attention whose result for a token does not depend on the rest of the step
-    (:mod:`.invariant`): the Triton kernel on CUDA, the C++ kernel on the CPU (one
+    (:mod:`.invariant_attention`): the Triton kernel on CUDA, the C++ kernel on the CPU (one
     reduction order per query by construction), the torch version where neither runs."""
     if query.device.type == "cpu" and cpu_kernel_fits(query, key_pool, value_pool):
         return invariant_attention_cpu(query, key_pool, value_pool, layout, scale, sliding_window, softcap)
@@ -133,7 +136,12 @@ def chain_rejection(p, *args):
     return _dispatch("chain_rejection_triton", p, chain_rejection_torch, p, *args)
 
 
-__all__ = ["AttentionLayout", "KernelError", "SequenceSlice", "chain_rejection", "copy_kv_slots", "gather_context",
-           "greedy_tree_verify", "grouped_attention", "invariant_attention", "invariant_attention_is_kernel",
-           "make_linear_invariant", "paged_attention", "paged_attention_is_triton", "prepack_linear", "prepack_linears",
-           "restore_linear", "use_triton"]
+def __getattr__(name: str):  # names that moved out, for one release
+    from .._moved import moved_attribute
+
+    return moved_attribute(__name__, name)
+
+
+__all__ = ["KernelError", "chain_rejection", "copy_kv_slots", "gather_context", "greedy_tree_verify",
+           "grouped_attention", "invariant_attention", "invariant_attention_is_kernel", "paged_attention",
+           "paged_attention_is_triton", "prepack_linear", "prepack_linears", "use_triton"]

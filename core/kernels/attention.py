@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from .layout import AttentionLayout
+if TYPE_CHECKING:
+    from ..kvcache.layout import AttentionLayout
 
 
 def paged_attention_torch(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,

@@ -4,7 +4,7 @@ batch-invariant attention (``invariant_attention.cpp``), bfloat16 linear layers 
 without bfloat16 instructions (``bf16_linear.cpp``) and quantized linear layers with
 integer dot products (``int8_dot.cpp``, :mod:`.int8_dot`).
 
-Why a kernel of our own: the torch version (:func:`.invariant.invariant_attention_torch`)
+Why a kernel of our own: the torch version (:func:`.invariant_attention.invariant_attention_torch`)
 must lay every key row out as plain decoding does and reduce over it with library
 products, about a dozen operations a group of rows and two dozen for a step's draft trees,
 and on a small CPU that dispatch is most of the attention's time. The kernel walks each token's own key row in column
@@ -85,7 +85,7 @@ def kernel_fits(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.T
 def invariant_attention_cpu(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, layout,
                             scale: float, sliding_window: int | None = None,
                             softcap: float | None = None) -> torch.Tensor:
-    """Same contract as :func:`specdec.kernels.invariant.invariant_attention_torch` (whose bits
+    """Same contract as :func:`specdec.kernels.invariant_attention.invariant_attention_torch` (whose bits
     it does not promise to match: one mode uses one of the two). ``query`` ``[heads, T,
     dim]``; returns ``[T, heads, value_dim]``."""
     if not kernel_available():

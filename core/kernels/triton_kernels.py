@@ -258,7 +258,7 @@ def _invariant_attention_kernel(Q, K, V, O, slots, key_pos, offset, count, qpos,
 
 
 def invariant_attention_triton(query, key_pool, value_pool, layout, scale, sliding_window=None, softcap=None):
-    """Same contract as :func:`specdec.kernels.invariant.invariant_attention_torch` (the torch
+    """Same contract as :func:`specdec.kernels.invariant_attention.invariant_attention_torch` (the torch
     version, whose bits it does not promise to match: one mode uses one of the two)."""
     heads, tokens, dim = query.shape
     kv_heads, dim_v = key_pool.shape[1], value_pool.shape[2]

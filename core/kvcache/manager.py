@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import KVCacheFullError
-from ..kernels.layout import slot_ids
 from .block_pool import BlockPool, NoFreeBlocks
+from .layout import slot_ids
 from .paged_cache import PagedKVCache
 
 

@@ -1,6 +1,6 @@
 """Rank 0's target and KV cache: every operation on them is sent to the workers first.
 
-A :class:`ShardedTarget` is a :class:`~specdec.target_model.TargetModel` over rank 0's shard;
+A :class:`ShardedTarget` is a :class:`~specdec.model.target.TargetModel` over rank 0's shard;
 each forward, each choice of linear forwards and the cache it allocates are announced to the
 workers (:mod:`.messages`), which run the same on theirs. The engine above sees a target
 like any other.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kvcache import PagedKVCache
-from ..target_model import ForwardMetadata, TargetModel
+from ..model.target import ForwardMetadata, TargetModel
 from .group import TensorParallelGroup
 from .messages import BuildCache, BuildTarget, CopySlots, Forward, SetLinearForwards, sequence_on
 

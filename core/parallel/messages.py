@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..kernels import SequenceSlice
+from ..kvcache.layout import SequenceSlice
 
 
 @attrs.frozen

@@ -13,10 +13,10 @@ import os
 
 import torch
 
-from ..kernels import AttentionLayout
 from ..kvcache import PagedKVCache
-from ..models import load_weights, model_display_name, resolve_device, resolve_dtype
-from ..target_model import ForwardMetadata, TargetModel
+from ..kvcache.layout import AttentionLayout
+from ..model.loading import load_weights, model_display_name, resolve_device, resolve_dtype
+from ..model.target import ForwardMetadata, TargetModel
 from .group import CONFIG_ENV, TensorParallelGroup, threads_per_rank
 from .messages import BuildCache, BuildTarget, CopySlots, Forward, Heartbeat, SetLinearForwards, Shutdown, sequence_on
 from .sharding import shard_model

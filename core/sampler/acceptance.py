@@ -25,7 +25,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..drafting import DraftProposal
+from ..drafting.interface import DraftProposal
 from ..kernels import chain_rejection, greedy_tree_verify
 
 

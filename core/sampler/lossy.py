@@ -12,7 +12,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from ..drafting import DraftProposal
+from ..drafting.interface import DraftProposal
 from .acceptance import Verdict, children_of
 
 

@@ -131,12 +131,7 @@ def _save_checkpoint(path: Path, state: dict) -> None:
 
 
 def load_target(opts: TrainOptions, device: torch.device) -> TrainTarget:
-    from ..models import (
-        load_causal_lm,
-        load_tokenizer,
-        model_display_name,
-        resolve_model_dir,
-    )
+    from ..model.loading import load_causal_lm, load_tokenizer, model_display_name, resolve_model_dir
 
     path = resolve_model_dir(opts.model)
     model = load_causal_lm(path, torch.float32, device)
@@ -152,7 +147,7 @@ def served_engine(opts: TrainOptions) -> dict:
 def quantized_target(opts: TrainOptions, device: torch.device):
     """``(mode, load)``: what loads the target quantized as served, for its features; None
     where it is served unquantized."""
-    from ..models import load_weights, resolve_dtype
+    from ..model.loading import load_weights, resolve_dtype
 
     if not opts.quantization:
         return None
@@ -185,7 +180,7 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from ..api import LLM
-    from ..models import resolve_device
+    from ..model.loading import resolve_device
 
     dtype = trainer_class_for(opts.method)
     dtype.trainer_class.check_options(opts.trainer_options)

@@ -14,14 +14,14 @@ from typing import ClassVar
 import attrs
 import torch
 
-from ..target_model import TargetParts, target_parts
+from ..model.target import TargetParts, target_parts
 from .data import Sample
 
 
 class TrainTarget:
     """The frozen target as training sees it: a plain transformers model (no paged cache).
 
-    Attributes: ``model``, ``parts`` (:class:`~specdec.target_model.TargetParts`),
+    Attributes: ``model``, ``parts`` (:class:`~specdec.model.target.TargetParts`),
     ``tokenizer``, ``name``, ``hidden_size``, ``num_layers``, ``vocab_size``, ``device``,
     ``dtype``, ``path`` (the HF directory the weights came from).
     """

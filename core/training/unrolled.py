@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from ..kernels.layout import causal_mask
+from ..kvcache.layout import causal_mask
 from .method import TrainBatch
 
 #: ``attend(module, q [B, heads, L, d], k [B, kv, L, d], v [B, kv, L, dv], scale=None) -> [B, L, heads, dv]``

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import attrs
 
-from ...kernels.layout import TREE_BATCH_PAIRS, padded_group_cost, padded_groups
+from ...kvcache.layout import TREE_BATCH_PAIRS, padded_group_cost, padded_groups
 
 #: the attention work of a step's draft trees run as a batch of their own, in thousands of pairs
 TREE_BATCH_WORK = TREE_BATCH_PAIRS / 1000

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 import attrs
 
 from ...config import SpeculativeConfig
-from ...drafting import TREE_KIND, first_child_path
+from ...drafting.interface import TREE_KIND, first_child_path
 from .acceptance import AcceptanceStats
 from .cost_model import FixedCosts, StepCostModel
 from .depth_choice import DraftOption, StepLoad, StepShape, attention_work, best_depths

@@ -1,5 +1,5 @@
 """EAGLE drafting: the head's rows in the core's feature drafter (see
-:mod:`specdec.feature_drafter`), expanded as a chain, a static tree (``eagle_choices``) or an
+:mod:`specdec.drafting.feature_drafter`), expanded as a chain, a static tree (``eagle_choices``) or an
 EAGLE-2 dynamic tree."""
 
 from __future__ import annotations

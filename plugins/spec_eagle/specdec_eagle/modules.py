@@ -18,7 +18,7 @@ Llama-shaped whatever the target, as in every published EAGLE checkpoint; its ro
 embedding follows the head's config (the target's, for heads trained here).
 
 Attention is pluggable: at inference it is the core's paged attention over the draft
-runner's cache (:func:`specdec.draft_runner.draft_attention`); in training it is
+runner's cache (:func:`specdec.drafting.runner.draft_attention`); in training it is
 :func:`specdec.training.unrolled_attention`, which lets the unrolled steps of training-time test see what
 the same draft steps see at inference.
 """
@@ -155,7 +155,7 @@ class Eagle1Head(EagleHead):
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList([EagleDecoderLayer(cfg, cfg.hidden_size)])
         #: the target's LM head, or its rows over the drafting vocabulary
-        #: (:func:`specdec.draft_checkpoint.restricted_head`)
+        #: (:func:`specdec.drafting.checkpoint.restricted_head`)
         self.lm_head: nn.Module | None = None
 
     @property

@@ -65,7 +65,7 @@ def test_rows_kept_while_off_are_fused_as_if_all_at_once(monkeypatch):
     fusing every row in one go."""
     import torch
 
-    import specdec.feature_drafter as feature_drafter
+    import specdec.drafting.feature_drafter as feature_drafter
     from specdec import SamplingParams
 
     features = {}

@@ -7,7 +7,7 @@ from specdec_eagle.modules import Eagle1Head, Eagle3Head
 from transformers import LlamaConfig
 
 from specdec import testing
-from specdec.draft_runner import draft_attention
+from specdec.drafting.runner import draft_attention
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
            vocab_size=128, rms_norm_eps=1e-6, max_position_embeddings=256)

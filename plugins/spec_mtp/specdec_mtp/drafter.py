@@ -1,5 +1,5 @@
 """MTP drafting: the module's rows in the core's feature drafter (see
-:mod:`specdec.feature_drafter`), a chain of ``max_draft_len`` tokens from one module reused
+:mod:`specdec.drafting.feature_drafter`), a chain of ``max_draft_len`` tokens from one module reused
 autoregressively, each step reading the ``h'`` of the step before."""
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def block_config(hf_config, attn_implementation: str):
 
 
 def build_module(parts, attn_implementation: str, own_head: bool = False) -> MTPModule:
-    """An MTP module for the target of ``parts`` (:class:`specdec.target_model.TargetParts`):
+    """An MTP module for the target of ``parts`` (:class:`specdec.model.target.TargetParts`):
     its decoder-layer class built like its last layer (so a MoE target gets a MoE block), the
     attention reading cache layer 0 of the module's own runner."""
     cfg = block_config(parts.hf_config, attn_implementation)

@@ -42,7 +42,7 @@ def test_the_adaptive_planner_drafts_chains_and_trees_without_changing_greedy_ou
     both shapes are verified, drafts are accepted, and the output is plain greedy. The
     planner learns step times from a fixed CPU-like cost model, not the clock: under load
     measured times may make drafting never pay."""
-    from specdec.drafting import TREE_KIND
+    from specdec.drafting.interface import TREE_KIND
 
     spec = LLM(dtype="float32", speculative_config={"decoding_type": "mtp"})
     testing.steady_costs(spec)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from specdec import LLM, testing
 from specdec.errors import ConfigError, ModelLoadError
-from specdec.target_model import target_parts
+from specdec.model.target import target_parts
 
 PROMPTS = [[3, 17, 42, 9, 5, 77, 3, 17, 42, 9, 5, 77], [8, 1, 99, 23, 64, 8, 1, 99]]
 

@@ -9,7 +9,7 @@ from specdec_mtp import build_module
 from transformers import AutoModelForCausalLM
 
 from specdec import testing
-from specdec.target_model import ATTENTION_NAME, target_parts
+from specdec.model.target import ATTENTION_NAME, target_parts
 from specdec.training import UNROLLED_ATTENTION
 
 

@@ -9,7 +9,7 @@ import torch
 
 from specdec import LLM, DraftProposal, SamplingParams
 from specdec.config_loading import config_from_dict
-from specdec.models import load_tokenizer, resolve_model_dir
+from specdec.model.loading import load_tokenizer, resolve_model_dir
 
 PROBS = [0.4, 0.3, 0.2, 0.1]
 

@@ -155,7 +155,7 @@ def test_sampling_follows_target_distribution_through_core_sampler(tmp_path):
 
 def test_a_server_request_opts_out_with_extra_args():
     """The OpenAI body's ``extra_args`` (vLLM's field) reaches the request's SamplingParams."""
-    from specdec.openai_protocol import ChatRequest, sampling_params_of
+    from specdec.serving.openai_protocol import ChatRequest, sampling_params_of
 
     body = ChatRequest(model="any", messages=[{"role": "user", "content": "hi"}],
                        extra_args={"suffix_cache": False})

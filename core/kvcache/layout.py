@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from .invariant import KEY_BLOCK, ROW_MULTIPLE, round_up
+from ..kernels.invariant_attention import KEY_BLOCK, ROW_MULTIPLE, round_up
 
 
 def width_group(num_new: int) -> int:
@@ -247,7 +247,7 @@ class AttentionLayout:
         """The step's draft trees as the torch batch-invariant attention reads them (None:
         there are none), all ``t`` of them in one batch of ``n``
         nodes each (the most of a tree, rounded up to a multiple of
-        :data:`.invariant.ROW_MULTIPLE`): every node's scores against its tree's keys
+        :data:`specdec.kernels.invariant_attention.ROW_MULTIPLE`): every node's scores against its tree's keys
         (context and new tokens) in one product, then each node's key row gathered from
         them; the value blocks that hold context only, shared by a tree's nodes, in one
         product, the rest per node. Indices into the cache are slots; padding points at
@@ -256,7 +256,8 @@ class AttentionLayout:
         - ``tokens [t, n]`` each node's packed token (padding nodes repeat their tree's
           first); ``nodes`` / ``node_tokens``: the real nodes' index among the ``t * n``
           and their packed token;
-        - ``key_slots [t, P]`` each tree's keys, ``P`` a multiple of :data:`.invariant.KEY_BLOCK`;
+        - ``key_slots [t, P]`` each tree's keys, ``P`` a multiple of
+          :data:`specdec.kernels.invariant_attention.KEY_BLOCK`;
         - ``cols [t, n, W]`` each node's key row as columns of ``key_slots``: the context,
           then its ancestors in order; padding points at column ``P`` (a ``-inf`` score), a
           padding node sees column 0 only; ``key_pos [t, n, W]`` and ``query_pos [t, n]``
@@ -324,14 +325,14 @@ class AttentionLayout:
                 "block_order": None if uniform else block_order.to(self.device)}
 
     def invariant_row_groups(self, trees: bool) -> list[dict[str, torch.Tensor]]:
-        """The batch-invariant attention's view (:mod:`.invariant`): key rows in which a
+        """The batch-invariant attention's view (:mod:`specdec.kernels.invariant_attention`): key rows in which a
         query at position ``p`` sees its keys at columns ``0..p``, as plain decoding lays
         them out. A causal sequence (a prompt chunk, a decode token, a draft chain) is one
         row shared by its queries; each node of a draft tree gets its own row, its
         ancestors compacted behind the context (``trees``; else the trees are left out).
         Causal rows are grouped like :attr:`padded` (:func:`padded_groups`), tree nodes in
         a group of their own, rows padded to the group's most queries and to a multiple of
-        :data:`.invariant.KEY_BLOCK` keys. Per group: ``slots [R, W]``,
+        :data:`specdec.kernels.invariant_attention.KEY_BLOCK` keys. Per group: ``slots [R, W]``,
         ``key_pos [R, W]``, ``queries [R, M]`` (packed token index; padding repeats token
         0), ``query_pos [R, M]``, ``bias [R, M, W]`` (0 where a query sees a key, else
         ``-inf``), ``rows`` / ``tokens``: the padded row of each real query and its packed

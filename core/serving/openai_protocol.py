@@ -10,8 +10,8 @@ from typing import Any, Literal
 import attrs
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from .executor.metrics import RequestMetrics
-from .sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
+from ..executor.metrics import RequestMetrics
+from ..sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
 #: choices of one response (prompts x n): each is a request in the engine's batch
 MAX_CHOICES = 64

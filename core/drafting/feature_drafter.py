@@ -25,10 +25,10 @@ from typing import ClassVar
 import attrs
 import torch
 
-from .config import TreeDraftConfig
-from .draft_runner import DraftInput, DraftRunner
-from .drafting import Drafter, DraftProposal
+from ..config import TreeDraftConfig
 from .hookspecs import hookimpl
+from .interface import Drafter, DraftProposal
+from .runner import DraftInput, DraftRunner
 from .tree import StaticTree
 from .tree_expansion import ChainExpansion, DynamicExpansion, Expansion, StaticExpansion
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 SECTION = "specdec_draft"
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
@@ -52,7 +52,7 @@ def drafter_directory(source: str | None, target, shipped: Path, method: str, wh
     """The directory of the drafter to load: ``source`` (``speculative_model``), or, when it
     is None, the drafter ``shipped`` for the embedded model; on another target a
     ModelLoadError says to give one or train one (``what``: "heads", "a drafter"...)."""
-    from .models import EMBEDDED_NAME, resolve_model_dir
+    from ..model.loading import EMBEDDED_NAME, resolve_model_dir
 
     if source is None:
         if target.name != EMBEDDED_NAME:

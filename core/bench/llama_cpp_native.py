@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .models import cache_dir
-from .parallel.group import free_port
+from ..model.loading import cache_dir
+from ..parallel.group import free_port
 
 #: llama-cpp-python whose vendored llama.cpp is built when no binaries are found
 DEFAULT_VERSION = "0.3.36"

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import attrs
 
-from .errors import RequestError, SpecdecError
-from .executor.metrics import RequestMetrics
-from .sampling_params import SamplingParams
-from .text_codec import TextCodec
+from ..errors import RequestError, SpecdecError
+from ..executor.metrics import RequestMetrics
+from ..sampling_params import SamplingParams
+from ..text_codec import TextCodec
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def _error_of(exc: Exception) -> tuple[str, str]:
     """An exception as (kind, message) that crosses a process boundary: ``request`` (the
     caller's input), ``unavailable`` (a tensor-parallel worker gone) or ``internal``
     (``busy`` is the engine loop's own)."""
-    from .parallel import WorkerError
+    from ..parallel import WorkerError
 
     kind = "unavailable" if isinstance(exc, WorkerError) else "request" if isinstance(exc, RequestError) \
         else "internal"
@@ -244,7 +244,7 @@ def _error_of(exc: Exception) -> tuple[str, str]:
 
 
 def _raise(error: tuple[str, str]) -> None:
-    from .parallel import WorkerError
+    from ..parallel import WorkerError
 
     kind, message = error
     raise {"request": RequestError, "unavailable": WorkerError, "internal": SpecdecError, "busy": EngineBusy}.get(
@@ -253,7 +253,7 @@ def _raise(error: tuple[str, str]) -> None:
 
 def _engine_process_main(conn: Connection, config, seed: int) -> None:
     """The engine process: build the engine as ``LLM()`` does, say so, serve the connection."""
-    from .api import LLM
+    from ..api import LLM
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops this process
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
@@ -299,7 +299,7 @@ class AsyncEngine:
         """The engine of ``config`` in a new process (spawned: it builds its own torch
         state); returns once it has loaded its model."""
         conn, process, info = _spawn(config, seed, start_timeout)
-        from .models import load_tokenizer
+        from ..model.loading import load_tokenizer
 
         tokenizer = load_tokenizer(Path(info.tokenizer_path)) if info.tokenizer_path else None
         engine = cls(info, TextCodec(tokenizer))

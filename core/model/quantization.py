@@ -32,7 +32,7 @@ import logging
 import torch
 from torch import nn
 
-from .kernels import int8_dot
+from ..kernels import int8_dot
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def quantize_groups_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def check_supported(mode: str, device: torch.device, dtype: torch.dtype) -> None:
     """Raise a clear error where the packed kernels do not exist."""
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     if mode in ("w4a8", "w8a8") and device.type == "cpu" and not int8_dot.kernel_available():
         raise ConfigError(f"engine.quantization: {mode} runs on specdec's integer-dot CPU kernels, which are not "

@@ -24,15 +24,15 @@ import attrs
 import torch
 import yaml
 
-from .api import LLM
-from .config import SpecdecConfig
-from .config_loading import config_from_dict, load_config, unstructure
-from .executor.metrics import RequestMetrics
-from .llama_cpp_baseline import LlamaCppWorker, require_bindings
+from ..api import LLM
+from ..config import SpecdecConfig
+from ..config_loading import config_from_dict, load_config, unstructure
+from ..executor.metrics import RequestMetrics
+from ..model.loading import gguf_file
+from ..sampling_params import SamplingParams
+from .llama_cpp_bindings import LlamaCppWorker, require_bindings
 from .llama_cpp_native import LlamaServer, find_binaries, llama_bench
-from .models import gguf_file
 from .prompt_sets import PROMPTS, Turns, load_jsonl, messages
-from .sampling_params import SamplingParams
 
 #: The warm-up request of every method: outside every measured set, so no drafter starts
 #: a measurement knowing its answer.
@@ -182,7 +182,7 @@ LLAMA_SERVER_SYSTEMS = {"llama-server": (), "llama-server ngram-mod": ("--spec-t
 
 def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int, batch_size: int = 1) -> dict:
     """llama.cpp (``llama-cpp-python``) on ``gguf`` in a process of its own
-    (:mod:`specdec.llama_cpp_baseline`), as many threads as torch: plain greedy decoding
+    (:mod:`specdec.bench.llama_cpp_bindings`), as many threads as torch: plain greedy decoding
     (a batch's sequences decoded together where ``batch_size`` > 1) and its prompt-lookup
     drafting, one request at a time. The worker ends with the process."""
     require_bindings()
@@ -202,7 +202,7 @@ def llama_cpp_systems(llm: LLM, gguf: Path, max_tokens: int, batch_size: int = 1
 
 def llama_cpp_native_systems(llm: LLM, gguf: Path, max_tokens: int, batch_size: int = 1,
                              bin_dir: str | None = None) -> tuple[dict, dict]:
-    """Native llama.cpp on ``gguf`` (:mod:`specdec.llama_cpp_native`), as many threads as
+    """Native llama.cpp on ``gguf`` (:mod:`specdec.bench.llama_cpp_native`), as many threads as
     torch: a ``llama-server`` per system of :data:`LLAMA_SERVER_SYSTEMS` with ``batch_size``
     parallel slots, each request timed at the client (a batch's requests sent together),
     and ``llama-bench``'s prefill and decode figures. The servers stop with the process."""

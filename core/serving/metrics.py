@@ -1,10 +1,10 @@
 """The server's Prometheus /metrics: requests by outcome, tokens, per-request histograms,
 and the engine's speculation counters and gauges as its last ``stats`` call returned them
-(the engine keeps them in its own process; :func:`specdec.async_engine.engine_stats`)."""
+(the engine keeps them in its own process; :func:`specdec.serving.async_engine.engine_stats`)."""
 
 from __future__ import annotations
 
-from .executor.metrics import RequestMetrics
+from ..executor.metrics import RequestMetrics
 
 _COUNTERS = (("specdec_draft_tokens", "draft tokens proposed", "draft_tokens"),
              ("specdec_accepted_tokens", "draft tokens accepted", "accepted_tokens"),

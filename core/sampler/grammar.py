@@ -20,9 +20,9 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from .drafting import DraftProposal
-from .errors import RequestError
-from .sampling_params import StructuredOutputs
+from ..drafting.interface import DraftProposal
+from ..errors import RequestError
+from ..sampling_params import StructuredOutputs
 
 #: compiled grammars kept (as fresh matchers to copy); the least recently used goes first
 GRAMMAR_CACHE_SIZE = 64

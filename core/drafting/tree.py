@@ -15,9 +15,9 @@ import functools
 import attrs
 import torch
 
-from .drafting import DraftProposal, TreeMask
-from .errors import FieldError
-from .kernels.layout import causal_mask
+from ..errors import FieldError
+from ..kvcache.layout import causal_mask
+from .interface import DraftProposal, TreeMask
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from .drafting import DraftProposal, StepResult, TreeMask
-    from .executor.request import Request
-    from .plugins import DecodingType
-    from .target_model import TargetModel
+    from ..executor.request import Request
+    from ..model.target import TargetModel
+    from ..plugins import DecodingType
+    from .interface import DraftProposal, StepResult, TreeMask
 
 PROJECT_NAME = "specdec"
 
@@ -65,7 +65,7 @@ def target_hidden_layers(target: TargetModel) -> list[int]:
     ``0 .. num_layers-1`` is the output of decoder layer ``i``; ``-1`` is the final
     normalised hidden state the LM head reads (EAGLE-1/2, Medusa, MTP). EAGLE-3 asks for a
     low, a middle and a high layer. The states reach drafters in
-    :attr:`specdec.drafting.StepResult.hidden_states`, with no extra computation.
+    :attr:`specdec.drafting.interface.StepResult.hidden_states`, with no extra computation.
 
     :param target: the target model.
     :return: the layer indices wanted; the results of all implementations are merged.
@@ -92,7 +92,7 @@ def reads_prompt_hidden_states() -> bool:
     budget) and hands a request whose prefix came from the cache its prefix's stored
     states with the first prompt chunk (``StepResult.start`` 0). Drafters keeping a KV
     cache of their own over the prompt (EAGLE, MTP) read them all; Medusa's heads and
-    ReDrafter's RNN read the newest state only (:class:`specdec.last_state.LastStateDrafter`
+    ReDrafter's RNN read the newest state only (:class:`specdec.drafting.last_state.LastStateDrafter`
     returns False: no states kept), and the last prompt token is always run.
 
     :return: True if the states of every prompt token are read.
@@ -114,7 +114,7 @@ def prepare_draft_tokens(requests: list[Request], draft_lens: list[int],
     prefilling, or with speculation switched off, are left out). The first implementation
     returning a non-None list decides. The adaptive planner may then verify a proposal
     less deep than proposed (or not at all) where deeper drafts of its
-    :attr:`~specdec.drafting.DraftProposal.kind` do not pay.
+    :attr:`~specdec.drafting.interface.DraftProposal.kind` do not pay.
 
     :param requests: the requests; ``request.token_ids`` holds prompt and accepted output,
         ``request.drafter_state`` is a dict the drafter may keep per-request state in, and
@@ -125,7 +125,7 @@ def prepare_draft_tokens(requests: list[Request], draft_lens: list[int],
     :param max_nodes: the most tree nodes each request may get this step
         (``max_total_draft_tokens`` within the step's token budget; for chains it equals
         ``draft_lens``). Nodes beyond it are trimmed, last nodes first: list the best first.
-    :return: one :class:`~specdec.drafting.DraftProposal` per request, or ``None`` for a
+    :return: one :class:`~specdec.drafting.interface.DraftProposal` per request, or ``None`` for a
         request with nothing to propose (it then decodes one token this step).
 
     Example::
@@ -148,7 +148,7 @@ def build_tree_mask(request: Request, proposal: DraftProposal) -> TreeMask | Non
 
     :param request: the request the proposal is for.
     :param proposal: the proposal.
-    :return: a :class:`~specdec.drafting.TreeMask` over ``1 + len(token_ids) +
+    :return: a :class:`~specdec.drafting.interface.TreeMask` over ``1 + len(token_ids) +
         len(aux_token_ids)`` tokens, or None to leave it to the next implementation.
 
     Example::
@@ -166,7 +166,7 @@ def on_draft_verified(results: list[StepResult]) -> None:
     """Learn what the target accepted: update pools, windows, draft KV caches.
 
     Called after every engine step, after the KV cache kept the accepted path, with one
-    :class:`~specdec.drafting.StepResult` per request that ran in the step (prefill chunks
+    :class:`~specdec.drafting.interface.StepResult` per request that ran in the step (prefill chunks
     included, so a drafter that keeps its own KV can fill it from the prompt's hidden
     states). Every implementation is called.
 

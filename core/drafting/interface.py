@@ -1,6 +1,6 @@
 """What drafters and the core hand each other: proposals, tree masks, verification results.
 
-A drafter is an object whose methods implement the hooks in :mod:`specdec.hookspecs`; the
+A drafter is an object whose methods implement the hooks in :mod:`specdec.drafting.hookspecs`; the
 engine registers one instance per ``LLM`` in its own plugin manager. :class:`Drafter` is a
 convenient base: it keeps the method's config and the target model.
 """
@@ -14,9 +14,9 @@ import attrs
 import torch
 
 if TYPE_CHECKING:
-    from .config import SpeculativeConfig
-    from .executor.request import Request
-    from .target_model import TargetModel
+    from ..config import SpeculativeConfig
+    from ..executor.request import Request
+    from ..model.target import TargetModel
 
 #: How the children of one tree node were drawn from the draft distribution ``q``.
 #: ``deterministic``: chosen without randomness (argmax, top-k, n-gram lookup);
@@ -200,7 +200,7 @@ class StepResult:
             token (``reads_prompt_hidden_states``). The tensors are slices of one gather
             for all of the step's results: a drafter keeping states for many steps keeps
             those gathers alive unless it copies or combines what it keeps (as
-            :class:`~specdec.feature_drafter.FeatureQueue` does).
+            :class:`~specdec.drafting.feature_drafter.FeatureQueue` does).
         aux_logits: target logits ``[len(aux_token_ids), vocab]`` of the aux tokens.
         is_prefill: the step computed (part of) the prompt.
         start: the position of the first token ``hidden_states`` covers (a prompt chunk's
@@ -223,7 +223,7 @@ class Drafter:
     """Base class for drafting methods. Subclasses implement hooks with ``@hookimpl``.
 
     ``Drafter(config, target)``: ``config`` is the method's own config class instance,
-    ``target`` the :class:`~specdec.target_model.TargetModel` it drafts for.
+    ``target`` the :class:`~specdec.model.target.TargetModel` it drafts for.
     """
 
     def __init__(self, config: SpeculativeConfig, target: TargetModel):

@@ -2,7 +2,7 @@
 /health and Prometheus /metrics, on FastAPI + uvicorn.
 
 The server tokenizes, detokenizes, streams and answers HTTP; the engine runs in a process
-of its own (:mod:`specdec.async_engine`), so its steps never wait on this process's GIL,
+of its own (:mod:`specdec.serving.async_engine`), so its steps never wait on this process's GIL,
 and a fault that kills it costs the requests in flight a 500, never the server: /health
 answers 503 until a new engine serves. Concurrent clients share the engine's continuous
 batching. A bad request gets 400/422 with a message and never touches other requests; a
@@ -24,9 +24,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from ..errors import RequestError, SpecdecError
+from ..executor.metrics import RequestMetrics
+from ..parallel import WorkerError
+from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineBusy, EngineUnavailable
-from .errors import RequestError, SpecdecError
-from .executor.metrics import RequestMetrics
+from .metrics import ServerMetrics
 from .openai_protocol import (
     ChatRequest,
     CompletionRequest,
@@ -37,9 +40,6 @@ from .openai_protocol import (
     sse_chunk,
     usage_json,
 )
-from .parallel import WorkerError
-from .sampling_params import SamplingParams
-from .server_metrics import ServerMetrics
 
 
 async def _merged(streams: list):

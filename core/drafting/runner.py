@@ -30,10 +30,10 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from .drafting import node_depths
-from .kernels import AttentionLayout, SequenceSlice
-from .kvcache import KVCacheManager, NoFreeBlocks, PagedKVCache
-from .target_model import ATTENTION_NAME, ForwardMetadata, paged_attention_forward, probe_kv_shapes
+from ..kvcache import KVCacheManager, NoFreeBlocks, PagedKVCache
+from ..kvcache.layout import AttentionLayout, SequenceSlice
+from ..model.target import ATTENTION_NAME, ForwardMetadata, paged_attention_forward, probe_kv_shapes
+from .interface import node_depths
 from .tree import ancestor_mask
 
 DraftForward = Callable[..., torch.Tensor]

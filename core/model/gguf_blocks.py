@@ -3,9 +3,9 @@ model first.
 
 GGUF's Q4_1 block holds 32 weights as ``w = q * d + m`` (``q`` 0..15, ``d`` and ``m``
 float16) and Q4_0 as ``w = (q - 8) * d``: exactly the groups of the 4-bit layers of
-:mod:`specdec.quantization`, so the codes and scales are copied as they are. The token embedding (and an untied
+:mod:`specdec.model.quantization`, so the codes and scales are copied as they are. The token embedding (and an untied
 output matrix), stored Q8_0 / F16 / F32, is widened a few thousand rows at a time and
-rounded to int8 per row as :func:`~specdec.quantization.quantize_rows_int8` rounds the whole
+rounded to int8 per row as :func:`~specdec.model.quantization.quantize_rows_int8` rounds the whole
 float32 matrix, so its float32 copy (113 MB for the embedded model) never exists. Tensors
 are read with plain file reads: a memory map's touched pages would count in the process's
 resident memory for as long as it is open. Only llama-architecture files are mapped here
@@ -142,7 +142,7 @@ def linear_schemes(gguf: Path) -> set[str]:
 
 def quantized_layers(gguf: Path, config, dtype: torch.dtype, mode: str = "int4") -> dict[str, torch.nn.Module]:
     """``{module name: layer}`` from a llama file's own blocks: a 4-bit layer of ``mode``
-    (:func:`~specdec.quantization.layer_classes`) for each Q4_0 / Q4_1 linear layer, an
+    (:func:`~specdec.model.quantization.layer_classes`) for each Q4_0 / Q4_1 linear layer, an
     :class:`Int8Embedding` for the token embedding and an int8 layer for an untied output
     matrix (F32, F16 or Q8_0)."""
     four_bit, eight_bit = layer_classes(mode)

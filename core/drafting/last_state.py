@@ -14,9 +14,9 @@ from typing import ClassVar
 
 import torch
 
-from .draft_checkpoint import restricted_head
-from .drafting import Drafter
+from .checkpoint import restricted_head
 from .hookspecs import hookimpl
+from .interface import Drafter
 
 
 class LastStateDrafter(Drafter):

@@ -1,7 +1,7 @@
 """A request's draft grown a level at a time: a chain, a static tree or an EAGLE-2 dynamic tree.
 
 Drafters that run one draft forward per depth for the whole batch (EAGLE, MTP: see
-:class:`specdec.feature_drafter.FeatureDrafter`) keep one :class:`Expansion` per request:
+:class:`specdec.drafting.feature_drafter.FeatureDrafter`) keep one :class:`Expansion` per request:
 each level hands it the draft logits of the nodes it asked for and gets back the new nodes
 whose children come next. Logits and tokens are over the target's vocabulary (a reduced
 draft vocabulary is scattered into it first).
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .drafting import TREE_KIND, DraftProposal
-from .sampler import pick_draft_token
+from ..sampler import pick_draft_token
+from .interface import TREE_KIND, DraftProposal
 from .tree import DynamicTree, StaticTree
 
 

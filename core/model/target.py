@@ -18,19 +18,18 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .kernels import (
-    AttentionLayout,
+from ..kernels import (
     gather_context,
     grouped_attention,
     invariant_attention,
-    make_linear_invariant,
     paged_attention,
     paged_attention_is_triton,
     prepack_linear,
-    restore_linear,
 )
-from .kernels.cpu import attend_key_rows
-from .kvcache import PagedKVCache
+from ..kernels.cpu import attend_key_rows
+from ..kvcache import PagedKVCache
+from ..kvcache.layout import AttentionLayout
+from ..numerics.invariant import make_linear_invariant, restore_linear
 
 ATTENTION_NAME = "specdec_paged"
 
@@ -39,7 +38,7 @@ ATTENTION_NAME = "specdec_paged"
 class ForwardMetadata:
     """What the attention layers need for one packed forward: the cache and the step's
     layout. ``probe`` collects K/V shapes instead. ``batch_invariant``: attention whose
-    result for a token does not depend on the rest of the step (:mod:`specdec.kernels.invariant`)."""
+    result for a token does not depend on the rest of the step (:mod:`specdec.numerics.invariant`)."""
 
     cache: PagedKVCache | None
     layout: AttentionLayout | None = None
@@ -68,7 +67,7 @@ class KeyRows(NamedTuple):
     graph calls the CPU batch-invariant attention kernel itself (one operator a layer, no
     Python), for any number of tokens and sequences: ``keys``/``values`` every layer's
     pool, ``slots [T]`` where the new tokens' K/V go, the rest
-    :attr:`~specdec.kernels.layout.AttentionLayout.invariant_key_rows` and the tokens'
+    :attr:`~specdec.kvcache.layout.AttentionLayout.invariant_key_rows` and the tokens'
     positions."""
 
     keys: tuple[torch.Tensor, ...]
@@ -344,7 +343,7 @@ class TargetModel:
         Triton kernel (CUDA), several tokens of one sequence take the operator too.
 
         ``batch_invariant`` (a target on the integer-dot kernels, see
-        :func:`specdec.executor.engine.compiles_invariant`): one graph serves every step,
+        :func:`specdec.numerics.auto.compiles_invariant`): one graph serves every step,
         its attention the CPU invariant kernel called from the graph (:class:`KeyRows`),
         its bfloat16 roundings those of the eager code (``emulate_precision_casts``, or
         capturing a hidden state would change the fusion and the numerics with it), its
@@ -396,7 +395,7 @@ class TargetModel:
     def forward_raw(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                     logits_rows: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The eager forward as :meth:`forward`, its logits in the model's dtype: what a
-        CUDA graph captures (:mod:`.cuda_graphs`), which reads its outputs after a replay."""
+        CUDA graph captures (:mod:`specdec.executor.cuda_graphs`), which reads its outputs after a replay."""
         self._captured = {}
         out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
                          logits_to_keep=logits_rows, specdec=meta)

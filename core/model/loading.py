@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, ModelLoadError
-from .gguf_blocks import TAKEN_SCHEMES, linear_schemes, quantized_layers
-from .kernels import int8_dot
+from ..errors import ModelLoadError
+from .gguf_blocks import quantized_layers
 from .quantization import check_supported, layer_classes, quantize_model, release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -196,46 +195,10 @@ def model_display_name(model: str | None, path: Path) -> str:
         return str(model)
 
 
-def resolve_quantization(mode: str | None, dtype: str, device: torch.device, gguf: Path | None,
-                         tensor_parallel_size: int = 1) -> str | None:
-    """``engine.quantization`` as the target is loaded. ``auto`` is ``w4a8`` for a GGUF target
-    whose linear layers are all blocks the 4-bit layers take as they are (Q4_0, Q4_1), on a
-    CPU where the integer-dot kernels are built, with ``dtype`` left at ``auto``: the file's
-    own weights, run as llama.cpp runs them. Anything else loads unquantized (a quantized file
-    dequantized, with a log line naming its scheme). A 4-bit mode asked for by name on a GGUF file
-    of other schemes is an error naming them: its weights would be rounded twice. A
-    tensor-parallel target runs unquantized."""
-    if mode == "auto" and tensor_parallel_size > 1:
-        log.info("quantization auto: a tensor-parallel target runs unquantized")
-        return None
-    if mode != "auto":
-        if mode is not None and layer_classes(mode)[0] is not None and gguf is not None:
-            others = linear_schemes(gguf) - set(TAKEN_SCHEMES)
-            if others:
-                raise ConfigError(f"engine.quantization: {mode} takes a GGUF file's {' or '.join(TAKEN_SCHEMES)} "
-                                  f"blocks as they are, but {gguf.name} holds {', '.join(sorted(others))} linear "
-                                  f"layers; leave quantization at auto (bfloat16 here) or give the model as a "
-                                  f"safetensors directory to quantize it from its full-precision weights")
-        return mode
-    if gguf is None or device.type != "cpu" or dtype != "auto":
-        return None
-    schemes = linear_schemes(gguf)
-    if not schemes or not schemes <= set(TAKEN_SCHEMES):
-        log.info("quantization auto: %s's linear layers are %s, which specdec's kernels do not take as they are "
-                 "(they take %s): its weights run dequantized in bfloat16", gguf.name,
-                 ", ".join(sorted(schemes)) or "not a llama file's", ", ".join(TAKEN_SCHEMES))
-        return None
-    if not int8_dot.kernel_available():
-        log.info("quantization auto: the integer-dot kernels are not available here; %s runs dequantized in "
-                 "bfloat16", gguf.name)
-        return None
-    return "w4a8"
-
-
 def quantize_target(path: Path, mode: str, dtype: torch.dtype, device: torch.device, gguf: Path | None = None):
     """Load the transformers model in ``path`` quantized; a GGUF source's Q4_0/Q4_1 linear
     blocks become its int4 layers as they are, and its embedding is read from the file
-    (:func:`~specdec.gguf_blocks.quantized_layers`).
+    (:func:`~specdec.model.gguf_blocks.quantized_layers`).
 
     Where the safetensors files hold every parameter under the model's own names, the
     model is built without weights and each layer is read and quantized in turn, so the

@@ -1,0 +1,107 @@
+"""Every ``auto`` setting of the engine resolved in one place: quantization, compile, batch
+invariance.
+
+Each ``auto`` picks what measured fastest on the machine and target at hand without
+changing what the target computes beyond what the user asked: the file's own 4-bit blocks
+on the CPU integer-dot kernels (``quantization``), a compiled forward only where its
+graph is batch-invariant (``compile``), and batch-invariant numerics only where they cost
+nothing (``batch_invariant``), so that greedy speculative output stays bit-identical to
+plain output wherever ``auto`` turns something on. The resolved values are logged by the
+engine and shown by ``specdec config --resolved``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import ConfigError, FieldError
+from ..kernels import int8_dot, invariant_attention_is_kernel
+from ..model.gguf_blocks import TAKEN_SCHEMES, linear_schemes
+from ..model.quantization import Int4Linear, Int8Linear, PackedLinear, layer_classes
+from ..model.target import TargetModel
+from .invariant import mode_costs_nothing
+
+log = logging.getLogger(__name__)
+
+
+def resolve_quantization(mode: str | None, dtype: str, device: torch.device, gguf: Path | None,
+                         tensor_parallel_size: int = 1) -> str | None:
+    """``engine.quantization`` as the target is loaded. ``auto`` is ``w4a8`` for a GGUF target
+    whose linear layers are all blocks the 4-bit layers take as they are (Q4_0, Q4_1), on a
+    CPU where the integer-dot kernels are built, with ``dtype`` left at ``auto``: the file's
+    own weights, run as llama.cpp runs them. Anything else loads unquantized (a quantized file
+    dequantized, with a log line naming its scheme). A 4-bit mode asked for by name on a GGUF file
+    of other schemes is an error naming them: its weights would be rounded twice. A
+    tensor-parallel target runs unquantized."""
+    if mode == "auto" and tensor_parallel_size > 1:
+        log.info("quantization auto: a tensor-parallel target runs unquantized")
+        return None
+    if mode != "auto":
+        if mode is not None and layer_classes(mode)[0] is not None and gguf is not None:
+            others = linear_schemes(gguf) - set(TAKEN_SCHEMES)
+            if others:
+                raise ConfigError(f"engine.quantization: {mode} takes a GGUF file's {' or '.join(TAKEN_SCHEMES)} "
+                                  f"blocks as they are, but {gguf.name} holds {', '.join(sorted(others))} linear "
+                                  f"layers; leave quantization at auto (bfloat16 here) or give the model as a "
+                                  f"safetensors directory to quantize it from its full-precision weights")
+        return mode
+    if gguf is None or device.type != "cpu" or dtype != "auto":
+        return None
+    schemes = linear_schemes(gguf)
+    if not schemes or not schemes <= set(TAKEN_SCHEMES):
+        log.info("quantization auto: %s's linear layers are %s, which specdec's kernels do not take as they are "
+                 "(they take %s): its weights run dequantized in bfloat16", gguf.name,
+                 ", ".join(sorted(schemes)) or "not a llama file's", ", ".join(TAKEN_SCHEMES))
+        return None
+    if not int8_dot.kernel_available():
+        log.info("quantization auto: the integer-dot kernels are not available here; %s runs dequantized in "
+                 "bfloat16", gguf.name)
+        return None
+    return "w4a8"
+
+
+def compiles_invariant(target: TargetModel) -> bool:
+    """Whether ``target``'s compiled forward is batch-invariant: a CPU target whose every
+    product runs the integer-dot kernels (invariant by construction) and whose attention
+    runs the CPU invariant kernel, called from the graph
+    (:class:`specdec.model.target.KeyRows`); inductor then fuses only each token's own
+    work between them, in one graph for every step (:meth:`TargetModel.compile`)."""
+    modules = list(target.model.modules())
+    return (target.device.type == "cpu" and invariant_attention_is_kernel(target.device)
+            and any(isinstance(m, PackedLinear) for m in modules)
+            and not any(isinstance(m, (torch.nn.Linear, Int4Linear, Int8Linear)) for m in modules))
+
+
+def resolve_compile(config: EngineConfig, target: TargetModel) -> bool:
+    """``engine.compile`` as the engine runs it: ``auto`` is on for a bfloat16 target whose
+    compiled forward is batch-invariant (:func:`compiles_invariant`) unless
+    ``batch_invariant: false`` asks for stock numerics: there compiling keeps greedy
+    speculative output bit-identical to plain output and halves a step's time."""
+    if config.compile != "auto":
+        return config.compile
+    return config.batch_invariant is not False and target.dtype == torch.bfloat16 and compiles_invariant(target)
+
+
+def resolve_batch_invariant(config: EngineConfig, target: TargetModel, compiled: bool = False) -> bool:
+    """``engine.batch_invariant`` as the engine runs it: ``auto`` is on for a bfloat16 CPU
+    target unquantized or on the integer-dot kernels (``w4a8``, ``w8a8``, invariant by
+    construction; torch's packed int4/int8 layers were not measured), whose every layer the
+    mode runs as cheaply as stock numerics
+    (:func:`specdec.numerics.invariant.mode_costs_nothing`), where it was measured to cost what
+    stock numerics cost; when ``compiled``, only where the compiled forward is invariant.
+    ``true`` beside a compiled forward that cannot be is refused."""
+    if config.batch_invariant is True and compiled and not compiles_invariant(target):
+        raise FieldError("engine.batch_invariant", "true cannot be combined with compile: true on this target: the "
+                                                   "compiled forward is batch-invariant only on a CPU with every "
+                                                   "linear layer on the integer-dot kernels (quantization: w4a8 or "
+                                                   "w8a8); turn compile or batch_invariant off")
+    if config.batch_invariant != "auto":
+        return config.batch_invariant
+    on_torch_packed = any(isinstance(m, (Int4Linear, Int8Linear)) for m in target.model.modules())
+    return (target.device.type == "cpu" and target.dtype == torch.bfloat16
+            and (not compiled or compiles_invariant(target)) and not on_torch_packed
+            and mode_costs_nothing(target.model, target.layer_shapes))
