@@ -82,12 +82,12 @@ def main() -> None:
 
     import torch
     import yaml
+    from specdec_test_support.served import running_server
 
     from specdec import LLM, SamplingParams
     from specdec.bench.llama_cpp_native import LlamaServer, find_binaries
     from specdec.config_loading import config_from_dict
     from specdec.model.loading import gguf_file
-    from specdec.testing import running_server
 
     config = config_from_dict(yaml.safe_load(args.config))
     llm = LLM(config=config)

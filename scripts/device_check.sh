@@ -68,8 +68,8 @@ run)
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__)"
-    python3 -m pytest -q -p no:cacheprovider -n 8 -rfE --tb=short tests/test_cuda_graphs.py tests/test_kernels.py \
-        tests/test_draft_runner.py tests/test_target_model.py > "$OUT/targeted.log" 2>&1
+    python3 -m pytest -q -p no:cacheprovider -n 8 -rfE --tb=short tests/model/test_cuda_graphs.py tests/kernels/test_kernels.py \
+        tests/drafting/test_draft_runner.py tests/model/test_target_model.py > "$OUT/targeted.log" 2>&1
     grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/targeted.log" | cut -c1-240
     echo "== targeted tests done at ${SECONDS}s"
     if [ "${TIMINGS:-1}" = 1 ]; then
@@ -87,7 +87,7 @@ transformers.__version__, 'triton', triton.__version__)"
     # are then rerun eagerly: the ones that pass there are the graphs' own.
     timeout -s INT -k 20 "$seconds" python3 -m pytest -q -p no:cacheprovider -p no:benchmark --cuda-graphs -n 12 \
         --dist loadfile --timeout 120 -rfE --tb=no \
-        --deselect tests/test_cpu_linear.py::test_shapes_the_kernel_does_not_take_stay_with_torch \
+        --deselect tests/kernels/test_cpu_linear.py::test_shapes_the_kernel_does_not_take_stay_with_torch \
         tests plugins examples > "$OUT/suite_graphs.log" 2>&1
     echo "== suite, graphs: rc $?; $(grep -E 'passed|failed' "$OUT/suite_graphs.log" | tail -1) (at ${SECONDS}s)"
     mapfile -t failed < <(grep -E '^(FAILED|ERROR) ' "$OUT/suite_graphs.log" | grep -v ModelLoadError \

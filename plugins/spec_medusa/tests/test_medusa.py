@@ -9,10 +9,11 @@ import sys
 
 import pytest
 from specdec_medusa import SHIPPED_HEADS
+from specdec_test_support import embedded
 
-from specdec import LLM, SamplingParams, testing
+from specdec import LLM, SamplingParams
 
-PROMPTS = testing.SHIPPED_CHECK_PROMPTS
+PROMPTS = embedded.SHIPPED_CHECK_PROMPTS
 
 
 @pytest.mark.parametrize("mode, min_length", [
@@ -20,14 +21,14 @@ PROMPTS = testing.SHIPPED_CHECK_PROMPTS
     ({"medusa_choices": [[0, 0, 0]]}, 1.25),  # 1.32
 ])
 def test_shipped_heads_are_lossless_and_accepted(mode, min_length):
-    spec, _ = testing.check_shipped_drafter({"decoding_type": "medusa", **mode}, min_length)
+    spec, _ = embedded.check_shipped_drafter({"decoding_type": "medusa", **mode}, min_length)
     assert (SHIPPED_HEADS / "config.json").exists() and spec.drafter.heads.shares_lm_head
 
 
 @pytest.mark.parametrize("mode", [{"medusa_choices": [[0, 0]]}, {"medusa_choices": [[0, 0], [1], [0, 1]]}])
 def test_sampled_output_follows_the_target(mode):
     # adaptive off: three-token requests end before the planner has evidence to draft
-    assert testing.check_shipped_sampling({"decoding_type": "medusa", "speculative_model": str(SHIPPED_HEADS),
+    assert embedded.check_shipped_sampling({"decoding_type": "medusa", "speculative_model": str(SHIPPED_HEADS),
                                            "max_draft_len": 2, "adaptive": False, **mode}) > 0
 
 
@@ -46,9 +47,9 @@ def test_typical_acceptance_is_opt_in_and_labelled_lossy():
 def test_heads_draft_from_a_prompt_found_in_the_prefix_cache():
     """The heads read the newest token's hidden state only: no states are kept for cached
     prefixes, and a repeated prompt served from the cache drafts as the first time."""
-    testing.check_shipped_prefix_cache({"decoding_type": "medusa"})
+    embedded.check_shipped_prefix_cache({"decoding_type": "medusa"})
 
 
 def test_structured_output_is_the_constrained_targets():
     """JSON-schema output with the heads' static tree, drafts the grammar forbids pruned."""
-    testing.check_structured_lossless({"decoding_type": "medusa"})
+    embedded.check_structured_lossless({"decoding_type": "medusa"})

@@ -2,6 +2,7 @@
 
 import pytest
 from specdec_ngram import COPY_AGREEMENT, NGramConfig, NGramPool
+from specdec_test_support import embedded
 
 from specdec import LLM, SamplingParams, testing
 
@@ -148,4 +149,4 @@ def test_sampling_follows_target_distribution_through_core_sampler(tmp_path):
 
 def test_structured_output_is_the_constrained_targets():
     """JSON-schema output with n-gram drafts from the prompt and the JSON so far, drafts the grammar forbids pruned."""
-    testing.check_structured_lossless({"decoding_type": "ngram"})
+    embedded.check_structured_lossless({"decoding_type": "ngram"})

@@ -4,8 +4,7 @@ sampled output follows the target's distribution."""
 
 import pytest
 from specdec_redrafter import SHIPPED_DRAFTER
-
-from specdec import testing
+from specdec_test_support import embedded
 
 
 @pytest.mark.parametrize("mode, min_length", [
@@ -13,16 +12,16 @@ from specdec import testing
     ({"beam_width": 1}, 1.4),
 ])
 def test_shipped_drafter_is_lossless_and_accepted(mode, min_length):
-    spec, _ = testing.check_shipped_drafter({"decoding_type": "redrafter", **mode}, min_length)
+    spec, _ = embedded.check_shipped_drafter({"decoding_type": "redrafter", **mode}, min_length)
     assert (SHIPPED_DRAFTER / "config.json").exists() and spec.drafter.model.shape.shares_lm_head
 
 
 @pytest.mark.parametrize("width", [1, 3])
 def test_sampled_output_follows_the_target(width):
-    assert testing.check_shipped_sampling({"decoding_type": "redrafter", "speculative_model": str(SHIPPED_DRAFTER),
+    assert embedded.check_shipped_sampling({"decoding_type": "redrafter", "speculative_model": str(SHIPPED_DRAFTER),
                                            "max_draft_len": 2, "beam_width": width}) > 0
 
 
 def test_structured_output_is_the_constrained_targets():
     """JSON-schema output with the beams, verified as a tree, drafts the grammar forbids pruned."""
-    testing.check_structured_lossless({"decoding_type": "redrafter"})
+    embedded.check_structured_lossless({"decoding_type": "redrafter"})

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from specdec_test_support.served import running_server
 from test_server import metrics
 
 from specdec import SamplingParams
-from specdec.testing import running_server
 
 COLORS = ["red", "green", "blue", "amber", "violet", "silver", "black", "white"]
 THINGS = ["boat", "kite", "lamp", "chair", "tower", "garden", "river", "clock"]

@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 from helpers import long_document_prompt
+from specdec_test_support import embedded
 
 from specdec import LLM, SamplingParams, testing
 from specdec.errors import ConfigError, ModelLoadError
@@ -108,10 +109,10 @@ def test_embedded_int4_greedy_lossless_with_trained_drafters(smol_int4_bf16, met
     """The shipped drafters read the quantized head and embedding; output equals the int4
     target's (bfloat16 activations, where the packed kernels are fast, in the batch-invariant
     mode, so that equality is bit for bit)."""
-    plain = smol_int4_bf16.chat(testing.SHIPPED_CHECK_PROMPTS, testing.SHIPPED_CHECK_PARAMS)
+    plain = smol_int4_bf16.chat(embedded.SHIPPED_CHECK_PROMPTS, embedded.SHIPPED_CHECK_PARAMS)
     spec = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "int4", "batch_invariant": True},
                speculative_config={"decoding_type": method, "adaptive": False})
-    got = spec.chat(testing.SHIPPED_CHECK_PROMPTS, testing.SHIPPED_CHECK_PARAMS)
+    got = spec.chat(embedded.SHIPPED_CHECK_PROMPTS, embedded.SHIPPED_CHECK_PARAMS)
     for a, b in zip(plain, got):
         assert a.token_ids == b.token_ids
     assert sum(o.metrics.num_accepted_tokens for o in got) >= 20
@@ -122,9 +123,9 @@ def smol_w4a8_plain():
     """The check prompts and a 1,100-token summarization request (three prompt chunks)
     batched, and the w4a8 target's plain answers."""
     llm = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "w4a8", "batch_invariant": True})
-    prompts = [llm.apply_chat_template(c) for c in testing.SHIPPED_CHECK_PROMPTS]
+    prompts = [llm.apply_chat_template(c) for c in embedded.SHIPPED_CHECK_PROMPTS]
     prompts.insert(1, long_document_prompt(llm.get_tokenizer(), 1100))
-    return prompts, llm.generate(prompts, testing.SHIPPED_CHECK_PARAMS)
+    return prompts, llm.generate(prompts, embedded.SHIPPED_CHECK_PARAMS)
 
 
 @pytest.mark.parametrize("method", ["ngram", "lookahead", "draft_target", "medusa", "eagle", "eagle3", "mtp",
@@ -138,7 +139,7 @@ def test_embedded_w4a8_greedy_lossless_with_every_method(smol_w4a8_plain, method
     spec = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "w4a8", "batch_invariant": True},
                speculative_config={"decoding_type": method, "adaptive": False})
     assert sum(isinstance(m, W4A8Linear) for m in spec.target.model.modules()) == 210 and spec.engine.compiled
-    got = spec.generate(prompts, testing.SHIPPED_CHECK_PARAMS)
+    got = spec.generate(prompts, embedded.SHIPPED_CHECK_PARAMS)
     for i, (a, b) in enumerate(zip(plain, got)):
         assert a.token_ids == b.token_ids, f"prompt {i} departs at {testing.first_divergence(a.token_ids, b.token_ids)}"
     assert sum(o.metrics.num_accepted_tokens for o in got) > 0

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import openai
 from helpers import child_processes, free_port, tiny_chat_model
+from specdec_test_support.served import running_server, stream_chat
 
 from specdec import LLM, SamplingParams
-from specdec.testing import running_server, stream_chat
 
 
 def test_two_machines_under_torchrun_decode_as_one_rank(tmp_path):

@@ -21,7 +21,7 @@ needs_exact_packing = pytest.mark.skipif(not PACKS, reason="the reordered produc
 @pytest.fixture(autouse=True)
 def without_the_linear_kernel(monkeypatch):
     """This file checks oneDNN's packing; where oneDNN refuses it (no bfloat16 instructions)
-    layers get specdec's linear kernel instead, which ``tests/test_cpu_linear.py`` checks."""
+    layers get specdec's linear kernel instead, which ``tests/kernels/test_cpu_linear.py`` checks."""
     from specdec.kernels import invariant
 
     monkeypatch.setattr(prepacked, "linear_kernel_fits", lambda weight: False)

@@ -6,8 +6,9 @@ import re
 
 import pytest
 import torch
+from specdec_test_support import embedded
 
-from specdec import LLM, SamplingParams, hookimpl, testing
+from specdec import LLM, SamplingParams, hookimpl
 from specdec.drafting.interface import DraftProposal
 from specdec.errors import FieldError, RequestError
 from specdec.sampler.grammar import GrammarCompiler, apply_masks
@@ -106,8 +107,8 @@ def test_forbidden_draft_branches_are_pruned_before_the_forward(smol):
     reaches the forward is one the grammar allows (decoys outside JSON strings are cut)."""
     from helpers import OracleDrafter
 
-    prompt = smol.apply_chat_template(testing.STRUCTURED_CHECK_PROMPTS[0])
-    params = testing.STRUCTURED_CHECK_PARAMS
+    prompt = smol.apply_chat_template(embedded.STRUCTURED_CHECK_PROMPTS[0])
+    params = embedded.STRUCTURED_CHECK_PARAMS
     plain = smol.generate([prompt], params)[0]
     decoy = smol.tokenizer.encode("@")[0]
 
@@ -148,7 +149,7 @@ def test_sampled_constrained_output_follows_the_masked_target():
     """Rejection sampling against the masked, renormalised target, with ngram's
     deterministic drafts (forbidden ones pruned before the forward); drafts drawn from a
     distribution are checked in the EAGLE plugin's tests."""
-    assert testing.check_structured_sampling({"decoding_type": "ngram", "max_draft_len": 3}) > 0
+    assert embedded.check_structured_sampling({"decoding_type": "ngram", "max_draft_len": 3}) > 0
 
 
 def test_max_tokens_zero_scores_the_prompt_alone(smol, smol_hf):

@@ -11,9 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import child_processes
+from specdec_test_support import embedded
+from specdec_test_support.served import running_server, stream_chat
 
 from specdec import LLM, SamplingParams, testing
-from specdec.testing import running_server, stream_chat
 
 PROMPTS = [f"Here is a list of {i + 2} fruits:\n1." for i in range(16)]
 
@@ -474,14 +475,14 @@ def test_structured_output_through_the_openai_client_and_vllms_fields(server, sm
     from openai import BadRequestError, OpenAI, UnprocessableEntityError
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
-    messages = testing.STRUCTURED_CHECK_PROMPTS[0]
-    schema = testing.STRUCTURED_CHECK_SCHEMA
+    messages = embedded.STRUCTURED_CHECK_PROMPTS[0]
+    schema = embedded.STRUCTURED_CHECK_SCHEMA
     offline = smol.chat([messages], SamplingParams(max_tokens=64, temperature=0.0,
                                                    structured_outputs={"json": schema}))[0].text
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
     done = client.chat.completions.create(model="any", messages=messages, max_tokens=64, temperature=0,
                                           response_format=fmt)
-    assert done.choices[0].message.content == offline and testing.follows_check_schema(json.loads(offline))
+    assert done.choices[0].message.content == offline and embedded.follows_check_schema(json.loads(offline))
     assert stream_chat(client, messages[0]["content"], max_tokens=64, temperature=0, response_format=fmt) == offline
     cat = [{"role": "user", "content": "Describe a cat as a JSON object with name and color."}]
     obj = client.chat.completions.create(model="any", messages=cat, max_tokens=64, temperature=0,

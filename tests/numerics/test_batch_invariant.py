@@ -8,31 +8,26 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from helpers import random_layout
+from specdec_test_support.served import running_server, stream_chat
 
 from specdec import LLM, SamplingParams, kernels, testing
 from specdec.config import EngineConfig
-from specdec.kernels import (
-    AttentionLayout,
-    SequenceSlice,
-    cpu,
-    invariant,
-    invariant_attention_is_kernel,
-    make_linear_invariant,
-)
+from specdec.kernels import cpu, invariant_attention_is_kernel
 from specdec.kernels.attention import paged_attention_torch
 from specdec.kernels.cpu import invariant_attention_cpu, kernel_available
+from specdec.kernels.invariant_attention import invariant_attention_torch
 from specdec.kernels.prepacked import can_prepack
 from specdec.kernels.triton_kernels import invariant_attention_triton
-from specdec.kvcache.layout import slot_ids
+from specdec.kvcache.layout import AttentionLayout, SequenceSlice, slot_ids
+from specdec.numerics import invariant
 from specdec.numerics.auto import resolve_batch_invariant
 from specdec.numerics.invariant import (
     LinearPlan,
-    invariant_attention_torch,
+    make_linear_invariant,
     mode_costs_nothing,
     plan_weight,
     planned_linear,
 )
-from specdec.testing import running_server, stream_chat
 
 #: the implementations of the mode's attention (CUDA uses the Triton one, which CPU tests run
 #: under the Triton interpreter; the CPU the C++ kernel, or the torch version without a compiler)
