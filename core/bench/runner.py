@@ -349,19 +349,21 @@ def _with_all(per_cat: dict[str, CategoryResult]) -> dict[str, CategoryResult]:
     return {**per_cat, "all": total}
 
 
-def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, categories: list[str] | None,
-              batch_size: int, temperature: float, max_tokens: int, repetitions: int, compare_hf: bool,
-              assistant_layers: int = 6, compare_llama_cpp: str | None = None, json_schema: dict | None = None,
-              llama_cpp_bin: str | None = None) -> dict:
-    """``compare_llama_cpp``: ``bindings`` (llama-cpp-python) or ``native`` (llama-server and
-    llama-bench, built once if needed, with the bindings too where installed)."""
+def _prompt_sets(dataset: str | None, categories: list[str] | None, batch_size: int) -> dict[str, list]:
+    """Category -> its conversations (the user's JSONL or the built-in sets), repeated to
+    fill whole batches of concurrent requests."""
     prompt_sets = load_jsonl(dataset) if dataset else {c: messages(c) for c in PROMPTS}
     if categories:
         unknown = sorted(set(categories) - set(prompt_sets))
         if unknown:
             raise ValueError(f"unknown categories {unknown}; available: {sorted(prompt_sets)}")
         prompt_sets = {c: prompt_sets[c] for c in categories}
-    prompt_sets = {c: concurrent_requests(convs, batch_size) for c, convs in prompt_sets.items()}
+    return {c: concurrent_requests(convs, batch_size) for c, convs in prompt_sets.items()}
+
+
+def _check_comparisons(base: SpecdecConfig, prompt_sets: dict, compare_hf: bool, compare_llama_cpp: str | None,
+                       json_schema: dict | None) -> Path | None:
+    """Refuse comparisons the run cannot make fairly; the GGUF file llama.cpp runs, if asked."""
     gguf = gguf_file(base.model) if compare_llama_cpp else None
     if compare_llama_cpp and gguf is None:
         raise ValueError("--llama-cpp runs the GGUF file the target comes from: use the embedded model or "
@@ -374,6 +376,64 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
                          "--llama-cpp")
     if json_schema is not None and (compare_hf or compare_llama_cpp):
         raise ValueError("--json-schema constrains specdec's methods only: leave out --hf and --llama-cpp")
+    return gguf
+
+
+def _comparison_systems(plain: LLM, compare_hf: bool, compare_llama_cpp: str | None, gguf: Path | None,
+                        max_tokens: int, batch_size: int, assistant_layers: int,
+                        llama_cpp_bin: str | None) -> tuple[dict, dict | None]:
+    """The other systems' runners (transformers, llama.cpp) and llama-bench's figures."""
+    systems = hf_systems(plain, max_tokens, assistant_layers) if compare_hf else {}
+    bench_figures = None
+    if compare_llama_cpp == "native":
+        native, bench_figures = llama_cpp_native_systems(plain, gguf, max_tokens, batch_size, llama_cpp_bin)
+        systems.update(native)
+        try:
+            require_bindings()
+        except ValueError:
+            return systems, bench_figures  # the bindings are one more row where installed
+    if compare_llama_cpp:
+        systems.update(llama_cpp_systems(plain, gguf, max_tokens, batch_size))
+    return systems, bench_figures
+
+
+def _summaries(raw: dict[str, dict[str, CategoryResult]]) -> tuple[dict, str | None]:
+    """Each system's figures by category with its ratios to plain decoding and to the
+    fastest llama.cpp configuration; that configuration's name."""
+    for per_cat in raw.values():
+        for cat, r in per_cat.items():
+            if r.outputs is not None:
+                r.identical = sum(a == b for a, b in zip(r.outputs, raw["plain"][cat].outputs))
+    raw = {name: _with_all(per_cat) for name, per_cat in raw.items()}
+    llama_cpp_best = max((name for name in raw if is_llama_cpp(name)), default=None,
+                         key=lambda name: raw[name]["all"].tokens_per_s)
+    results = {}
+    for name, per_cat in raw.items():
+        results[name] = {}
+        for cat, r in per_cat.items():
+            s = r.summary()
+            plain_rate = raw["plain"][cat].tokens_per_s
+            s["speedup_vs_plain"] = s["tokens_per_s"] / plain_rate if plain_rate else 0.0
+            # the spread of a ratio over repetitions is the run's own measure of its noise
+            s["speedup_by_repetition"] = [mine / theirs if theirs else 0.0 for mine, theirs in zip(
+                s["tokens_per_s_by_repetition"], raw["plain"][cat].tokens_per_s_by_repetition)]
+            if llama_cpp_best is not None:  # the CPU user's alternative: the ratio that matters most there
+                theirs = raw[llama_cpp_best][cat].tokens_per_s
+                s["speedup_vs_llama_cpp"] = s["tokens_per_s"] / theirs if theirs else 0.0
+            results[name][cat] = s
+    return results, llama_cpp_best
+
+
+def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, categories: list[str] | None,
+              batch_size: int, temperature: float, max_tokens: int, repetitions: int, compare_hf: bool,
+              assistant_layers: int = 6, compare_llama_cpp: str | None = None, json_schema: dict | None = None,
+              llama_cpp_bin: str | None = None) -> dict:
+    """``compare_llama_cpp``: ``bindings`` (llama-cpp-python) or ``native`` (llama-server and
+    llama-bench, built once if needed, with the bindings too where installed)."""
+    from tqdm import tqdm  # the progress bar `specdec train` uses too: rate and ETA
+
+    prompt_sets = _prompt_sets(dataset, categories, batch_size)
+    gguf = _check_comparisons(base, prompt_sets, compare_hf, compare_llama_cpp, json_schema)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0,
                             structured_outputs={"json": json_schema} if json_schema is not None else None)
     names = ["plain"] + [m for m in methods if m != "plain"]
@@ -386,22 +446,9 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             llm.generate([llm.apply_chat_template(WARMUP)], SamplingParams(max_tokens=4, temperature=0.0))
         return llms
 
-    from tqdm import tqdm  # the progress bar `specdec train` uses too: rate and ETA
-
     llms = fresh_llms()
-    systems = hf_systems(llms["plain"], max_tokens, assistant_layers) if compare_hf else {}
-    bench_figures = None
-    if compare_llama_cpp == "native":
-        native, bench_figures = llama_cpp_native_systems(llms["plain"], gguf, max_tokens, batch_size, llama_cpp_bin)
-        systems.update(native)
-        try:
-            require_bindings()
-        except ValueError:
-            pass  # the bindings are one more row where installed
-        else:
-            systems.update(llama_cpp_systems(llms["plain"], gguf, max_tokens, batch_size))
-    elif compare_llama_cpp:
-        systems.update(llama_cpp_systems(llms["plain"], gguf, max_tokens, batch_size))
+    systems, bench_figures = _comparison_systems(llms["plain"], compare_hf, compare_llama_cpp, gguf, max_tokens,
+                                                 batch_size, assistant_layers, llama_cpp_bin)
     labels = list(llms) + list(systems)
     raw: dict[str, dict[str, CategoryResult]] = {name: {c: CategoryResult() for c in prompt_sets} for name in labels}
     # Interleaved batch by batch (a category's next ``batch_size`` requests), in an order that
@@ -439,27 +486,7 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
             llms = fresh_llms()
         run_repetition(rep, llms)
     progress.close()
-    for per_cat in raw.values():
-        for cat, r in per_cat.items():
-            if r.outputs is not None:
-                r.identical = sum(a == b for a, b in zip(r.outputs, raw["plain"][cat].outputs))
-    raw = {name: _with_all(per_cat) for name, per_cat in raw.items()}
-    llama_cpp_best = max((name for name in raw if is_llama_cpp(name)), default=None,
-                         key=lambda name: raw[name]["all"].tokens_per_s)
-    results = {}
-    for name, per_cat in raw.items():
-        results[name] = {}
-        for cat, r in per_cat.items():
-            s = r.summary()
-            plain_rate = raw["plain"][cat].tokens_per_s
-            s["speedup_vs_plain"] = s["tokens_per_s"] / plain_rate if plain_rate else 0.0
-            # the spread of a ratio over repetitions is the run's own measure of its noise
-            s["speedup_by_repetition"] = [mine / theirs if theirs else 0.0 for mine, theirs in zip(
-                s["tokens_per_s_by_repetition"], raw["plain"][cat].tokens_per_s_by_repetition)]
-            if llama_cpp_best is not None:  # the CPU user's alternative: the ratio that matters most there
-                theirs = raw[llama_cpp_best][cat].tokens_per_s
-                s["speedup_vs_llama_cpp"] = s["tokens_per_s"] / theirs if theirs else 0.0
-            results[name][cat] = s
+    results, llama_cpp_best = _summaries(raw)
     plain = llms["plain"]
     return {"model": plain.target.name, "dtype": str(plain.dtype).replace("torch.", ""), "device": str(plain.device),
             "quantization": plain.config.engine.quantization, "threads": torch.get_num_threads(),

@@ -175,86 +175,113 @@ def evaluate(opts: TrainOptions, trainer: MethodTrainer, items: list[dict]) -> d
             "steps_speculation_off": total.num_steps_speculation_off}
 
 
-def train(opts: TrainOptions, progress: bool = True) -> dict:
-    """Run (or resume) one training run; returns the report also written to OUT/train_report.json."""
+def _check_start(opts: TrainOptions, method) -> None:
+    """Refuse a run that would overwrite another or start from what cannot be loaded."""
+    ckpt_path = Path(opts.out) / CHECKPOINT
+    if ckpt_path.exists() and not opts.resume:
+        raise TrainError(f"{opts.out} holds a run already ({CHECKPOINT}); add --resume to continue it, or choose "
+                         "another --out")
+    if opts.init is not None and method.trainer_class.start_from is MethodTrainer.start_from:
+        raise TrainError(f"specdec train {method.name} cannot start from a saved drafter (--init); train it from "
+                         "scratch")
+    if opts.init not in (None, INIT_DEFAULT) and not Path(opts.init).is_dir():
+        raise TrainError(f"--init {opts.init}: no such directory; give a drafter {method.name} saved (the --out of "
+                         f"an earlier run) or '{INIT_DEFAULT}'")
+
+
+def _target_answers(opts: TrainOptions, items: list[dict], progress: bool) -> list[Sample]:
+    """The served target's answers to ``items``, cached in OUT/samples.jsonl (a resumed run
+    answers only the prompts not cached yet)."""
     from tqdm import tqdm
 
     from ..api import LLM
-    from ..model.loading import resolve_device
 
-    dtype = trainer_class_for(opts.method)
-    dtype.trainer_class.check_options(opts.trainer_options)
-    out = Path(opts.out)
-    ckpt_path = out / CHECKPOINT
-    if ckpt_path.exists() and not opts.resume:
-        raise TrainError(f"{out} holds a run already ({CHECKPOINT}); add --resume to continue it, or choose "
-                         "another --out")
-    if opts.init is not None and dtype.trainer_class.start_from is MethodTrainer.start_from:
-        raise TrainError(f"specdec train {dtype.name} cannot start from a saved drafter (--init); train it from "
-                         "scratch")
-    if opts.init not in (None, INIT_DEFAULT) and not Path(opts.init).is_dir():
-        raise TrainError(f"--init {opts.init}: no such directory; give a drafter {dtype.name} saved (the --out of "
-                         f"an earlier run) or '{INIT_DEFAULT}'")
-    items = read_items(opts.data)
-    train_items, held_out = split_eval(items, opts.eval_prompts)
-    train_items = train_items[:opts.max_samples]
-    if not train_items:
-        raise TrainError(f"{opts.data}: every item is held out for evaluation; lower --eval-prompts")
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(opts.seed)
-    device = resolve_device(opts.device)
-    started = time.perf_counter()
-
-    cache = out / SAMPLES
+    cache = Path(opts.out) / SAMPLES
     cached = sum(1 for line in cache.open() if line.strip()) if cache.exists() else 0
     gen = None
-    if cached < len(train_items):
+    if cached < len(items):
         gen = LLM(model=opts.model, dtype=opts.gen_dtype, device=opts.device,
                   engine={**served_engine(opts), "max_batch_size": opts.gen_batch_size, "max_num_tokens": 2048})
-    bar = tqdm(total=len(train_items), initial=min(cached, len(train_items)), desc="target answers",
-               unit="prompt", disable=not progress or gen is None)
+    bar = tqdm(total=len(items), initial=min(cached, len(items)), desc="target answers", unit="prompt",
+               disable=not progress or gen is None)
     # chunks of several engine batches, so that few of the engine's rows idle at a chunk's end
-    samples = distill(gen, train_items, cache, opts.max_new_tokens, chunk=4 * opts.gen_batch_size,
-                      progress=lambda done, total: bar.update(done - bar.n))[:len(train_items)]
+    samples = distill(gen, items, cache, opts.max_new_tokens, chunk=4 * opts.gen_batch_size,
+                      progress=lambda done, total: bar.update(done - bar.n))[:len(items)]
     bar.close()
-    samples_time = time.perf_counter() - started
-    del gen
-    target = load_target(opts, device)
-    trainer: MethodTrainer = dtype.trainer_class(target, samples, dict(opts.trainer_options))
-    store = None
-    if trainer.feature_layers():
-        bar = tqdm(total=len(samples), desc="target features", unit="sample", disable=not progress)
-        store = FeatureStore.build(out / "features", target, samples, trainer.feature_layers(), opts.max_seq_len,
-                                   opts.gen_dtype, quantized=quantized_target(opts, device),
-                                   progress=lambda done, total: bar.update(done - bar.n))
-        bar.close()
-    if opts.init is not None and not (opts.resume and ckpt_path.exists()):
-        trainer.start_from(None if opts.init == INIT_DEFAULT else opts.init)
-    module = trainer.module()
-    params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+    return samples
+
+
+def _feature_store(opts: TrainOptions, trainer: MethodTrainer, target: TrainTarget, samples: list[Sample],
+                   device: torch.device, progress: bool) -> FeatureStore | None:
+    """The hidden states of the layers the method reads, computed once into OUT/features."""
+    from tqdm import tqdm
+
+    if not trainer.feature_layers():
+        return None
+    bar = tqdm(total=len(samples), desc="target features", unit="sample", disable=not progress)
+    store = FeatureStore.build(Path(opts.out) / "features", target, samples, trainer.feature_layers(),
+                               opts.max_seq_len, opts.gen_dtype, quantized=quantized_target(opts, device),
+                               progress=lambda done, total: bar.update(done - bar.n))
+    bar.close()
+    return store
+
+
+@attrs.define
+class _Optimization:
+    """The module's trainable parameters, their optimizer and where the run stands (step,
+    epoch, batch of the epoch, loss history), saved together in OUT/checkpoint.pt."""
+
+    method: str
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    path: Path
+    opts: TrainOptions
+    state: dict = attrs.Factory(lambda: {"step": 0, "epoch": 0, "batch": 0, "history": []})
+
+    @classmethod
+    def start(cls, opts: TrainOptions, method: str, module: torch.nn.Module, device: torch.device):
+        params = [p for p in module.parameters() if p.requires_grad]
+        run = cls(method, module, torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0),
+                  Path(opts.out) / CHECKPOINT, opts)
+        if opts.resume and run.path.exists():
+            saved = torch.load(run.path, map_location=device, weights_only=False)
+            if saved["method"] != method:
+                raise TrainError(f"{run.path} is a {saved['method']} run, not {method}")
+            module.load_state_dict(saved["module"])
+            run.optimizer.load_state_dict(saved["optimizer"])
+            run.state = saved["state"]
+            log.info("resumed at step %d (epoch %d, batch %d)", run.state["step"], run.state["epoch"],
+                     run.state["batch"])
+        return run
+
+    def save(self) -> None:
+        _save_checkpoint(self.path, {"method": self.method, "module": self.module.state_dict(),
+                                     "optimizer": self.optimizer.state_dict(), "state": self.state,
+                                     "options": attrs.asdict(self.opts)})
+
+    def step(self, loss: torch.Tensor, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], 1.0)
+        self.optimizer.step()
+
+
+def _optimize(run: _Optimization, trainer: MethodTrainer, target: TrainTarget, samples: list[Sample],
+              store: FeatureStore | None, device: torch.device, progress: bool) -> None:
+    """Train until the run's steps (or epochs) are done, a checkpoint every ``save_every``
+    steps and one on an interruption."""
+    from tqdm import tqdm
+
+    opts, state = run.opts, run.state
     steps_per_epoch = math.ceil(len(samples) / opts.batch_size)
     # --max-steps, when given, decides the length of the run (epochs repeat as needed).
     total_steps = opts.max_steps or steps_per_epoch * opts.epochs
     max_epochs = math.ceil(total_steps / steps_per_epoch)
-    state = {"step": 0, "epoch": 0, "batch": 0, "history": []}
-    if opts.resume and ckpt_path.exists():
-        saved = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if saved["method"] != dtype.name:
-            raise TrainError(f"{ckpt_path} is a {saved['method']} run, not {dtype.name}")
-        module.load_state_dict(saved["module"])
-        optimizer.load_state_dict(saved["optimizer"])
-        state = saved["state"]
-        log.info("resumed at step %d (epoch %d, batch %d)", state["step"], state["epoch"], state["batch"])
-
-    def checkpoint():
-        _save_checkpoint(ckpt_path, {"method": dtype.name, "module": module.state_dict(),
-                                     "optimizer": optimizer.state_dict(), "state": state,
-                                     "options": attrs.asdict(opts)})
-
-    module.train()
-    bar = tqdm(total=total_steps, initial=state["step"], desc=f"train {dtype.name}", disable=not progress)
-    train_started, tokens = time.perf_counter(), 0
+    run.module.train()
+    bar = tqdm(total=total_steps, initial=state["step"], desc=f"train {run.method}", disable=not progress)
+    started, tokens = time.perf_counter(), 0
     try:
         while state["step"] < total_steps and state["epoch"] < max_epochs:
             batches = make_batches(samples, opts.batch_size, opts.seed, state["epoch"])
@@ -263,42 +290,62 @@ def train(opts: TrainOptions, progress: bool = True) -> dict:
                 width = max(min(len(samples[i].token_ids), opts.max_seq_len) for i in chosen)
                 batch = collate([samples[i] for i in chosen], opts.max_seq_len, target,
                                 store.batch(chosen, width, device) if store else None)
-                for group in optimizer.param_groups:
-                    group["lr"] = opts.lr * lr_factor(state["step"], opts.warmup_steps, total_steps)
                 loss, metrics = trainer.loss(batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                loss = loss.detach()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
+                run.step(loss, opts.lr * lr_factor(state["step"], opts.warmup_steps, total_steps))
+                loss = float(loss.detach())
                 state["step"] += 1
                 state["batch"] += 1
                 tokens += batch.num_tokens
-                state["history"].append({"step": state["step"], "loss": float(loss), **metrics})
-                rate = tokens / (time.perf_counter() - train_started)
-                bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{v:.3f}" for k, v in metrics.items()},
-                                tok_s=f"{rate:.0f}")
+                state["history"].append({"step": state["step"], "loss": loss, **metrics})
+                bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in metrics.items()},
+                                tok_s=f"{tokens / (time.perf_counter() - started):.0f}")
                 bar.update(1)
                 if state["step"] % opts.save_every == 0:
-                    checkpoint()
+                    run.save()
             if state["batch"] >= len(batches):
                 state["epoch"] += 1
                 state["batch"] = 0
-    except KeyboardInterrupt:
-        checkpoint()
+    finally:  # an interruption keeps what was learnt
         bar.close()
-        raise
-    bar.close()
-    checkpoint()
-    module.eval()
+        run.save()
+    run.module.eval()
+
+
+def train(opts: TrainOptions, progress: bool = True) -> dict:
+    """Run (or resume) one training run; returns the report also written to OUT/train_report.json."""
+    from ..model.loading import resolve_device
+
+    method = trainer_class_for(opts.method)
+    method.trainer_class.check_options(opts.trainer_options)
+    _check_start(opts, method)
+    train_items, held_out = split_eval(read_items(opts.data), opts.eval_prompts)
+    train_items = train_items[:opts.max_samples]
+    if not train_items:
+        raise TrainError(f"{opts.data}: every item is held out for evaluation; lower --eval-prompts")
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(opts.seed)
+    device = resolve_device(opts.device)
+    started = time.perf_counter()
+    samples = _target_answers(opts, train_items, progress)
+    samples_time = time.perf_counter() - started
+    target = load_target(opts, device)
+    trainer: MethodTrainer = method.trainer_class(target, samples, dict(opts.trainer_options))
+    store = _feature_store(opts, trainer, target, samples, device, progress)
+    if opts.init is not None and not (opts.resume and (out / CHECKPOINT).exists()):
+        trainer.start_from(None if opts.init == INIT_DEFAULT else opts.init)
+    run = _Optimization.start(opts, method.name, trainer.module(), device)
+    train_started = time.perf_counter()
+    _optimize(run, trainer, target, samples, store, device, progress)
     trainer.save(out)
-    train_seconds = time.perf_counter() - train_started
-    report = {"method": dtype.name, "target": target.name, "data": str(opts.data), "samples": len(samples),
+    state = run.state
+    report = {"method": method.name, "target": target.name, "data": str(opts.data), "samples": len(samples),
               "init": opts.init, "quantization": opts.quantization,
               "answer_tokens": sum(len(s.token_ids) - 1 - s.loss_start for s in samples),
               "steps": state["step"], "epochs_done": state["epoch"], "batch_size": opts.batch_size, "lr": opts.lr,
               "device": str(device), "threads": torch.get_num_threads(),
-              "data_seconds": round(samples_time, 1), "train_seconds_this_run": round(train_seconds, 1),
+              "data_seconds": round(samples_time, 1),
+              "train_seconds_this_run": round(time.perf_counter() - train_started, 1),
               "final_loss": state["history"][-1]["loss"] if state["history"] else None,
               "trainer_options": trainer.opts}
     if held_out:
