@@ -10,7 +10,7 @@ Parts, each printed as a table:
   prompts, interleaved, at batch 1, 8 and 32: tokens per second over prefill and decode.
   With ``--cuda-graphs`` a second specdec engine replays CUDA graphs
   (``engine.cuda_graphs``) in the same interleaved run.
-* ``steps``: one target forward through specdec's model runner and paged KV cache: a
+* ``steps``: one target forward of specdec's engine over its paged KV cache: a
   decode step (1 new token per request) and a 16-token tree verification (a 16-node tree
   per request), at batch 1, 8 and 32, after ``--context`` cached tokens; wall time per
   step, the GPU's busy time in it (the profiler's kernel time: what CUDA graphs could not

@@ -1,4 +1,4 @@
-"""The executor: requests, scheduler, model runner and the speculative step."""
+"""The executor: requests, the scheduler, the engine and its step's stages, the draft planner."""
 
 from ..model.target import TargetModel
 from .engine import Engine

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..kernels import int8_dot
+from .hf_config import text_config
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +359,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 def _mark_untied(model: nn.Module) -> None:
     """The quantized head and embedding share codes, not an ``nn.Parameter``: keep transformers
     from re-tying them (``tie_weights`` would put a float parameter back)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     config.tie_word_embeddings = False
     if hasattr(model, "_tied_weights_keys"):
         model._tied_weights_keys = None

@@ -30,6 +30,7 @@ from ..kernels.cpu import attend_key_rows
 from ..kvcache import PagedKVCache
 from ..kvcache.layout import AttentionLayout
 from ..numerics.invariant import make_linear_invariant, restore_linear
+from .hf_config import text_config
 
 ATTENTION_NAME = "specdec_paged"
 
@@ -197,7 +198,7 @@ def target_parts(model) -> TargetParts:
     """The :class:`TargetParts` of a transformers causal LM."""
     layers, norm = _decoder_parts(model)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     head = model.get_output_embeddings()
     return TargetParts(embed_tokens=model.get_input_embeddings(), final_norm=norm, lm_head=head,
                        decoder_layers=layers, rotary_emb=getattr(base, "rotary_emb", None), hf_config=config,
@@ -230,7 +231,7 @@ class TargetModel:
         self.tokenizer = tokenizer
         self.name = name
         self.path = path
-        self.hf_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.hf_config = text_config(model.config)
         self.num_layers = self.hf_config.num_hidden_layers
         self.vocab_size = model.get_output_embeddings().out_features
         self.hidden_size = self.hf_config.hidden_size

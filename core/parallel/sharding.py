@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import ConfigError
+from ..model.hf_config import text_config
 
 #: the plan styles taken, and replicated ones that need nothing at inference
 SPLIT_STYLES = ("colwise", "rowwise")
@@ -29,7 +30,7 @@ REPLICATED_STYLES = ("replicated_with_grad_allreduce", "replicate")
 
 def tp_plan(model) -> dict[str, str]:
     """The model's tensor-parallel plan, keyed by module name (``model.layers.*.mlp.up_proj``)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     plan = getattr(config, "base_model_tp_plan", None) or {}
     if not plan:
         raise ConfigError(f"engine.tensor_parallel_size: {type(model).__name__} comes with no tensor-parallel "
@@ -45,7 +46,7 @@ def _divisors(n: int) -> list[int]:
 def check_divides(config, size: int) -> None:
     """A ConfigError naming the sizes and the degrees that work when ``size`` does not divide
     the model's attention heads, KV heads and MLP width."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     sizes = {"attention heads": config.num_attention_heads,
              "KV heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
              "MLP width (intermediate_size)": getattr(config, "intermediate_size", None)}

@@ -55,7 +55,7 @@ def test_flat_cost_drafts_everything_useful_and_steep_cost_nothing():
 
 
 def test_draft_cost_can_make_drafting_unprofitable():
-    cpu = lambda n, *_: 0.035 + 0.0008 * n  # the shape DESIGN.md measured for the embedded model
+    cpu = lambda n, *_: 0.035 + 0.0008 * n  # a step's cost on the embedded model: fixed plus per token
     assert best_depths([chain(0.5, 4)], 1, cpu) == [4]
     assert best_depths([chain(0.5, 4)], 1, cpu, lambda depth: 0.040 * depth) == [0]
 

@@ -80,12 +80,17 @@ def test_speculation_on_long_prompts_equals_plain(default_target, prompts, alone
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
-def test_a_prompt_past_the_context_is_a_clear_error_and_the_engine_goes_on(default_target, prompts):
-    limit = default_target.engine.max_model_len
-    too_long = (prompts[4100] * 3)[:limit + 10]
+def test_a_prompt_past_the_context_is_a_clear_error_and_the_engine_goes_on(prompts):
+    """At a context of 1,024 tokens (``engine.max_model_len``; the model's own 8,192 is
+    checked the same way, and the prompts above attend 4,100 keys): a longer prompt is
+    refused naming both lengths, one that fills the context but a token ends there with
+    finish reason ``length``, and the engine serves the next request."""
+    llm = LLM(engine={"compile": False, "max_model_len": 1024})
+    limit = llm.engine.max_model_len
+    assert limit == 1024
+    too_long = prompts[4100][:limit + 10]
     with pytest.raises(RequestError, match=f"the prompt has {limit + 10} tokens but the context holds {limit}"):
-        default_target.generate([too_long], GREEDY)
-    # a prompt that fills the context but one token ends at the context, with finish_reason "length"
-    out = default_target.generate([too_long[:limit - 1]], SamplingParams(max_tokens=8, temperature=0))[0]
+        llm.generate([too_long], GREEDY)
+    out = llm.generate([too_long[:limit - 1]], SamplingParams(max_tokens=8, temperature=0))[0]
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
-    assert default_target.generate([prompts[600]], GREEDY)[0].token_ids  # still serving
+    assert llm.generate([prompts[600]], GREEDY)[0].token_ids  # still serving
