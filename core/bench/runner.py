@@ -74,7 +74,10 @@ class CategoryResult:
                 "mean_draft_len": self.metrics.mean_draft_len,
                 "speculation_off_share": (self.metrics.num_steps_speculation_off / self.metrics.num_steps
                                           if self.metrics.num_steps else 0.0),
-                "drafter_faults": self.metrics.num_drafter_faults, "lossless": self.metrics.lossless}
+                "drafter_faults": self.metrics.num_drafter_faults, "lossless": self.metrics.lossless,
+                # prompt tokens found in the prefix cache (specdec's methods): a multi-turn set's earlier turns
+                "prefix_cache_hit_rate": (self.metrics.num_cached_prompt_tokens / self.metrics.num_prompt_tokens
+                                          if self.metrics.num_prompt_tokens else None)}
 
 
 def method_config(base: SpecdecConfig, method: str) -> tuple[str, SpecdecConfig]:
@@ -256,7 +259,8 @@ def print_table(report: dict, file=sys.stdout) -> None:
         print(headline, file=file)
     print(f"{'method':<28}{'category':<18}{'tok/s':>8}{'speedup':>9}{'range':>11}"
           f"{'vs l.cpp' if headline else '':>9}{'TTFT ms':>9}{'TPOT ms':>9}"
-          f"{'acc.len':>8}{'draft%':>8}{'k':>6}{'off%':>6}{'faults':>7}{'same':>7}  per-position acceptance", file=file)
+          f"{'acc.len':>8}{'draft%':>8}{'k':>6}{'off%':>6}{'cache%':>7}{'faults':>7}{'same':>7}"
+          "  per-position acceptance", file=file)
     differ = []
     for method, per_cat in report["results"].items():
         same = per_cat["all"].get("identical_to_plain")
@@ -273,11 +277,14 @@ def print_table(report: dict, file=sys.stdout) -> None:
             reps = r.get("speedup_by_repetition") or []
             spread = f"{min(reps):.2f}-{max(reps):.2f}" if len(reps) > 1 else "-"
             versus = f"{r['speedup_vs_llama_cpp']:.2f}x" if headline else ""
+            hits = r.get("prefix_cache_hit_rate")
+            cached = f"{100 * hits:.0f}%" if hits is not None else "-"
             print(f"{method:<28}{cat:<18}{r['tokens_per_s']:>8.1f}{r['speedup_vs_plain']:>8.2f}x{spread:>11}{versus:>9}"
                   f"{ms(r.get('time_to_first_token_s')):>9}{ms(r.get('time_per_output_token_s')):>9}"
                   f"{r.get('acceptance_length', 0):>8.2f}{100 * r.get('draft_time_share', 0):>7.1f}%"
                   f"{r.get('mean_draft_len', 0):>6.1f}{100 * r.get('speculation_off_share', 0):>5.0f}%"
-                  f"{r.get('drafter_faults', 0):>7}{r.get('identical_to_plain') or '-':>7}  {pos}", file=file)
+                  f"{cached:>7}{r.get('drafter_faults', 0):>7}{r.get('identical_to_plain') or '-':>7}  {pos}",
+                  file=file)
     bench_figures = report.get("llama_bench")
     if bench_figures:
         print("llama-bench (native, same GGUF and threads): " + ", ".join(
