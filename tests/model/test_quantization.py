@@ -235,7 +235,7 @@ def test_auto_leaves_other_gguf_schemes_unquantized_and_refuses_them_by_name(tmp
     writer.write_tensors_to_file()
     writer.close()
     cpu = torch.device("cpu")
-    with caplog.at_level("INFO", logger="specdec.model.loading"):
+    with caplog.at_level("INFO", logger="specdec.numerics.auto"):
         assert resolve_quantization("auto", "auto", cpu, path) is None
     assert "linear layers are F16" in caplog.text
     with pytest.raises(ConfigError, match=r"w4a8 takes a GGUF file's Q4_0 or Q4_1 blocks.*holds F16 linear layers"):
