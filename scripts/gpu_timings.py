@@ -164,7 +164,8 @@ def part_generate(model, directory, args) -> list[dict]:
 def step_runner(target, batch: int, context: int, tree: bool, block_size: int = 16, graphs: bool = False):
     """One forward of ``batch`` requests, each with ``context`` cached tokens and 1 new token
     (decode) or a 16-node tree (verification); through CUDA graphs if ``graphs``."""
-    from specdec.drafting.tree import ancestor_mask, node_depths
+    from specdec.drafting.interface import node_depths
+    from specdec.drafting.tree import ancestor_mask
     from specdec.executor.cuda_graphs import CudaGraphs
     from specdec.kvcache import PagedKVCache
     from specdec.kvcache.layout import AttentionLayout, SequenceSlice
@@ -329,7 +330,8 @@ def attention_case(heads: int, kv_heads: int, dim: int, context: int, batch: int
                    block_size: int = 16) -> dict:
     """Time the paged attention of ``batch`` sequences of ``context`` cached tokens, each
     with one new token (decode) or a 16-node tree, both paths, against the floor."""
-    from specdec.drafting.tree import ancestor_mask, node_depths
+    from specdec.drafting.interface import node_depths
+    from specdec.drafting.tree import ancestor_mask
     from specdec.kernels.attention import paged_attention_torch
     from specdec.kernels.triton_kernels import paged_attention_triton
     from specdec.kvcache.layout import AttentionLayout, SequenceSlice
