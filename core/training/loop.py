@@ -233,6 +233,7 @@ class _Optimization:
 
     method: str
     module: torch.nn.Module
+    params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     path: Path
     opts: TrainOptions
@@ -241,7 +242,7 @@ class _Optimization:
     @classmethod
     def start(cls, opts: TrainOptions, method: str, module: torch.nn.Module, device: torch.device):
         params = [p for p in module.parameters() if p.requires_grad]
-        run = cls(method, module, torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0),
+        run = cls(method, module, params, torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0),
                   Path(opts.out) / CHECKPOINT, opts)
         if opts.resume and run.path.exists():
             saved = torch.load(run.path, map_location=device, weights_only=False)
@@ -264,7 +265,7 @@ class _Optimization:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], 1.0)
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
 
 
