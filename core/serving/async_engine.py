@@ -73,11 +73,14 @@ class Update:
 @attrs.frozen
 class RequestHandle:
     """What a caller holds of a request it submitted: its id, its prompt's length and first
-    token (an echoed prompt's first logprob entry)."""
+    token (an echoed prompt's first logprob entry), and on the caller's side the queue its
+    updates arrive on. The handle holds the queue so that a request that finishes before
+    its caller starts reading (one token, a fast engine) still has its updates to read."""
 
     request_id: str
     prompt_len: int
     first_token: int
+    queue: asyncio.Queue | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -348,21 +351,15 @@ class AsyncEngine:
             with self._lock:
                 self._pending.pop(call, None)
             raise
-        return await asyncio.wrap_future(future)
+        handles = await asyncio.wrap_future(future)
+        return [attrs.evolve(handle, queue=updates) for handle, updates in zip(handles, queues)]
 
     async def updates(self, handle: RequestHandle) -> AsyncIterator[Update]:
         """A submitted request's updates until it finishes; leaving early aborts it."""
-        with self._lock:
-            target = self._streams.get(handle.request_id)
-        if target is None:  # its engine died between the submit and this call
-            yield Update([], finished=True, error="the engine stopped before the request ran; retry it",
-                         finish_reason="error")
-            return
-        _, updates, _ = target
         finished = False
         try:
             while not finished:
-                update = await updates.get()
+                update = await handle.queue.get()
                 finished = update.finished
                 yield update
         finally:

@@ -42,6 +42,29 @@ def test_requests_cancelled_while_being_added_leave_the_engine_serving(smol):
         engine.shutdown()
 
 
+def test_a_request_that_finishes_before_its_caller_reads_keeps_its_updates(smol):
+    """The engine may finish a one-token request and deliver its last update before the
+    caller starts reading: the caller still reads its token and a clean finish, not an
+    error (a server answered 500 to such requests)."""
+    engine = AsyncEngine.start_thread(smol)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    async def scenario():
+        (handle,) = await engine.submit([(smol.encode("Name a color."), params)])
+        deadline = time.monotonic() + 30
+        while smol.engine.has_unfinished() and time.monotonic() < deadline:  # added by the time submit answers
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the reader thread has delivered the last update
+        return [update async for update in engine.updates(handle)]
+
+    try:
+        updates = asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert updates[-1].finished and updates[-1].error is None and updates[-1].num_output_tokens == 1
+        assert sum(len(u.new_token_ids) for u in updates) == 1
+    finally:
+        engine.shutdown()
+
+
 def test_a_bad_request_among_several_queues_none(smol):
     engine = AsyncEngine.start_thread(smol)
     good = (smol.encode("Hi"), SamplingParams(max_tokens=2))
