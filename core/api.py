@@ -27,8 +27,9 @@ from .model.loading import (
     resolve_dtype,
     resolve_model_dir,
 )
+from .model.quantization import quantize_linears_w8a8
 from .model.target import TargetModel
-from .numerics.auto import resolve_quantization
+from .numerics.auto import resolve_draft_quantization, resolve_quantization
 from .parallel import ShardedTarget, TensorParallelGroup, check_divides, run_worker, shard_model, threads_per_rank
 from .plugins import drafter_plugin_manager, get_registry
 from .sampling_params import SamplingParams
@@ -100,8 +101,10 @@ class LLM:
         self.dtype = resolve_dtype(config.dtype)
         quantization = resolve_quantization(config.engine.quantization, config.dtype, self.device,
                                             gguf_file(config.model), tp)
-        if quantization != config.engine.quantization:
-            config = attrs.evolve(config, engine=attrs.evolve(config.engine, quantization=quantization))
+        draft_quantization = resolve_draft_quantization(config.engine.draft_quantization, quantization,
+                                                        self.device)
+        config = attrs.evolve(config, engine=attrs.evolve(config.engine, quantization=quantization,
+                                                          draft_quantization=draft_quantization))
         self.config = config
         # Resolve the method before loading weights, so a missing plugin fails fast.
         registry = get_registry()
@@ -145,8 +148,10 @@ class LLM:
         hooks = self.drafter = None
         if spec is not None:
             self.drafter = registry.create_drafter(spec, self.target)
-            if config.engine.prepack_weights and hasattr(self.drafter, "draft_modules"):
-                for module in self.drafter.draft_modules():
+            for module in self.drafter.draft_modules() if hasattr(self.drafter, "draft_modules") else []:
+                if config.engine.draft_quantization == "w8a8":
+                    quantize_linears_w8a8(module)
+                if config.engine.prepack_weights:
                     prepack_linears(module)
             hooks = drafter_plugin_manager(self.drafter, spec.decoding_type)
         self.engine = Engine(self.target, config.engine, spec, hooks, seed=seed)

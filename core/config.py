@@ -245,6 +245,14 @@ class EngineConfig:
             (the embedded model), None otherwise
             (:func:`specdec.numerics.auto.resolve_quantization`). The quantized model is the target:
             speculative output equals its own plain output.
+        draft_quantization: ``w8a8``: the drafter's own linear layers (EAGLE's layer and
+            head, Medusa's heads, a draft model's layers) run on the integer-dot kernels with
+            8-bit weights and activations, as the target's do; a drafted level then costs a
+            fraction of its bfloat16 time. Output is unchanged (the target verifies every
+            draft); acceptance may move slightly. None (``none``) keeps them in ``dtype``.
+            ``auto`` (the default): ``w8a8`` where the target runs on the integer-dot kernels
+            (``quantization`` ``w4a8`` or ``w8a8``), None elsewhere
+            (:func:`specdec.numerics.auto.resolve_draft_quantization`).
         prepack_weights: bfloat16 linear layers on CPU multiply by weights reordered once
             into oneDNN's layout instead of at every call (:mod:`specdec.kernels.prepacked`):
             bit-identical results, faster products, one more copy of those weights in
@@ -291,6 +299,8 @@ class EngineConfig:
     batch_invariant: bool | str = attrs.field(default="auto", validator=_check_bool_or_auto)
     quantization: str | None = attrs.field(default="auto", converter=lambda v: None if v == "none" else v,
                                            validator=attrs.validators.optional(one_of(*QUANTIZATIONS)))
+    draft_quantization: str | None = attrs.field(default="auto", converter=lambda v: None if v == "none" else v,
+                                                 validator=attrs.validators.optional(one_of("auto", "none", "w8a8")))
     prepack_weights: bool = True
     compile: bool | str = attrs.field(default="auto", validator=_check_bool_or_auto)
     cuda_graphs: bool = attrs.field(default=False, validator=lambda inst, attribute, value: _graphs_alone(inst, value))

@@ -53,11 +53,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-prepack", action="store_true",
                    help="engine.prepack_weights off: the drafters' bfloat16 layers on the stock product")
+    p.add_argument("--draft-quantization", default="auto", choices=("auto", "none", "w8a8"),
+                   help="engine.draft_quantization: the drafters' linear layers on the integer-dot kernels (w8a8)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     prompts = [c for convs in load_jsonl(args.dataset).values() for c in convs][:args.prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    engine = {"prepack_weights": False} if args.no_prepack else {}
+    engine = {"draft_quantization": args.draft_quantization, **({"prepack_weights": False} if args.no_prepack else {})}
     plain = LLM(engine=engine)
     llms = {}
     for m in args.methods:

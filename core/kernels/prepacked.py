@@ -66,7 +66,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def prepack_linear(module: torch.nn.Linear) -> bool:
     """Give ``module`` a forward on its packed weight where :func:`can_prepack` says yes, else
-    on the linear kernel where it fits (undo either with :func:`specdec.kernels.restore_linear`);
+    on the linear kernel where it fits (undo either with :func:`specdec.numerics.invariant.restore_linear`);
     False where neither applies."""
     if module.bias is not None and module.bias.dtype != torch.bfloat16:
         return False

@@ -351,6 +351,23 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict
     return counts
 
 
+@torch.no_grad()
+def quantize_linears_w8a8(module: nn.Module) -> int:
+    """Give ``module``'s linear layers (stock ``nn.Linear`` on the CPU, bfloat16 or float32,
+    whose input width the kernel's blocks divide) a forward on a :class:`W8A8Linear` of their
+    weights; returns how many. Each layer keeps its ``weight`` (drafters read a head's rows
+    from it) and its place in the module tree, top level included (undo with
+    :func:`specdec.numerics.invariant.restore_linear`). For a drafter's layers, which nothing trains
+    once drafting starts."""
+    int8_dot.require_kernel()
+    layers = [m for m in module.modules() if type(m) is nn.Linear and "forward" not in m.__dict__
+              and m.in_features % GROUP_SIZE == 0 and m.weight.device.type == "cpu"
+              and m.weight.dtype in (torch.bfloat16, torch.float32)]
+    for layer in layers:
+        layer.forward = W8A8Linear.from_weight(layer.weight.detach(), layer.bias, layer.weight.dtype).forward
+    return len(layers)
+
+
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)

@@ -1,5 +1,5 @@
-"""Every ``auto`` setting of the engine resolved in one place: quantization, compile, batch
-invariance.
+"""Every ``auto`` setting of the engine resolved in one place: quantization (the target's and
+the drafter's), compile, batch invariance.
 
 Each ``auto`` picks what measured fastest on the machine and target at hand without
 changing what the target computes beyond what the user asked: the file's own 4-bit blocks
@@ -62,6 +62,25 @@ def resolve_quantization(mode: str | None, dtype: str, device: torch.device, ggu
                  "bfloat16", gguf.name)
         return None
     return "w4a8"
+
+
+def resolve_draft_quantization(mode: str | None, target_quantization: str | None,
+                               device: torch.device) -> str | None:
+    """``engine.draft_quantization`` as the drafter is loaded: ``auto`` is ``w8a8`` where the
+    target runs on the integer-dot kernels (``w4a8``, ``w8a8``), which are then built and
+    take the drafter's layers as well; None elsewhere. A drafter's numerics never change the
+    output, only how often its drafts are accepted, so ``auto`` may round them. ``w8a8``
+    asked for where the kernels do not run is an error naming why."""
+    if mode == "w8a8" and device.type != "cpu":
+        raise FieldError("engine.draft_quantization", f"w8a8 runs on CPU kernels, not on {device.type}; set it "
+                                                      "to none or auto")
+    if mode == "w8a8" and not int8_dot.kernel_available():
+        raise FieldError("engine.draft_quantization", "w8a8 runs on specdec's integer-dot CPU kernels, which are "
+                                                      "not available here (they need a C++ compiler and a CPU with "
+                                                      "AVX2 and F16C; see the warning logged); set it to none or auto")
+    if mode != "auto":
+        return mode
+    return "w8a8" if target_quantization in ("w4a8", "w8a8") else None
 
 
 def compiles_invariant(target: TargetModel) -> bool:

@@ -8,7 +8,7 @@ from helpers import long_document_prompt
 from specdec_test_support import embedded
 
 from specdec import LLM, SamplingParams, testing
-from specdec.errors import ConfigError, ModelLoadError
+from specdec.errors import ConfigError, FieldError, ModelLoadError
 from specdec.model.loading import quantize_target
 from specdec.model.quantization import (
     GROUP_SIZE,
@@ -16,12 +16,15 @@ from specdec.model.quantization import (
     Int8Embedding,
     Int8Linear,
     W4A8Linear,
+    W8A8Linear,
     check_supported,
     quantize_groups_int4,
+    quantize_linears_w8a8,
     quantize_rows_int8,
     rows_are_independent,
     weight_bytes,
 )
+from specdec.numerics.auto import resolve_draft_quantization
 
 
 def test_layers_compute_their_dequantized_weights_within_half_a_step():
@@ -139,6 +142,7 @@ def test_embedded_w4a8_greedy_lossless_with_every_method(smol_w4a8_plain, method
     spec = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "w4a8", "batch_invariant": True},
                speculative_config={"decoding_type": method, "adaptive": False})
     assert sum(isinstance(m, W4A8Linear) for m in spec.target.model.modules()) == 210 and spec.engine.compiled
+    assert spec.config.engine.draft_quantization == "w8a8"
     got = spec.generate(prompts, embedded.SHIPPED_CHECK_PARAMS)
     for i, (a, b) in enumerate(zip(plain, got)):
         assert a.token_ids == b.token_ids, f"prompt {i} departs at {testing.first_divergence(a.token_ids, b.token_ids)}"
@@ -174,6 +178,61 @@ def test_low_memory_load_equals_load_then_quantize(tiny_models):
     with torch.no_grad():
         assert torch.equal(streamed(ids).logits, loaded(ids).logits)
     assert not any(p.is_meta for p in streamed.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_drafters_linear_layers_run_w8a8_in_place_keeping_their_weights(dtype):
+    """Every stock linear layer the kernel takes, the module itself included, multiplies as a
+    W8A8Linear of its weights; it keeps its weight; a width the blocks do not divide and a
+    layer already on another forward stay as they were."""
+    g = torch.Generator().manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 40, bias=False),
+                               torch.nn.Linear(40, 64)).to(dtype)
+    head = torch.nn.Linear(64, 128).to(dtype)
+    custom = torch.nn.Linear(64, 32).to(dtype)
+    custom.forward = lambda x: x[..., :32]
+    weights = [m.weight.clone() for m in (body[0], body[2], body[3], head)]
+    assert quantize_linears_w8a8(body) == 2 and quantize_linears_w8a8(head) == 1
+    assert quantize_linears_w8a8(custom) == 0 and quantize_linears_w8a8(body) == 0  # each once
+    assert all(torch.equal(m.weight, w) for m, w in zip((body[0], body[2], body[3], head), weights))
+    assert "forward" not in body[3].__dict__  # 40 input columns: not a whole number of blocks
+    x = torch.randn(3, 5, 64, generator=g).to(dtype)
+    for layer in (body[0], body[2], head):
+        rows = x if layer.in_features == 64 else torch.randn(3, 5, 96, generator=g).to(dtype)
+        reference = W8A8Linear.from_weight(layer.weight, layer.bias, dtype)(rows)
+        assert torch.equal(layer(rows), reference) and reference.shape == (3, 5, layer.out_features)
+        assert (layer(rows).float() - torch.nn.functional.linear(rows, layer.weight, layer.bias).float()).abs().max() \
+            < 0.05 * rows.float().abs().max() * layer.weight.float().abs().sum(1).max()
+
+
+def test_draft_quantization_resolves_with_the_target_and_refuses_where_it_cannot_run():
+    cpu = torch.device("cpu")
+    assert resolve_draft_quantization("auto", "w4a8", cpu) == resolve_draft_quantization("auto", "w8a8", cpu) == "w8a8"
+    assert resolve_draft_quantization("auto", None, cpu) is resolve_draft_quantization("auto", "int4", cpu) is None
+    assert resolve_draft_quantization(None, "w4a8", cpu) is None
+    assert resolve_draft_quantization("w8a8", None, cpu) == "w8a8"
+    with pytest.raises(FieldError, match=r"engine.draft_quantization: w8a8 runs on CPU kernels, not on cuda"):
+        resolve_draft_quantization("w8a8", None, torch.device("cuda"))
+    with pytest.raises(ConfigError, match=r"draft_quantization.*must be one of 'auto', 'none', 'w8a8'.*int4"):
+        LLM(device="cpu", engine={"draft_quantization": "int4"})
+
+
+def test_a_w8a8_drafter_on_an_unquantized_target_drafts_losslessly(tiny_models):
+    """Asked for by name beside a float32 target, the draft model's layers run w8a8 while the
+    target's stay stock; greedy output equals plain output, drafts accepted."""
+    model = str(tiny_models["llama"])
+    prompts = [list(range(3, 40, 3)) * 2, list(range(50, 9, -4)) * 2]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=model, dtype="float32", device="cpu").generate(prompts, params)
+    spec = LLM(model=model, dtype="float32", device="cpu", engine={"draft_quantization": "w8a8"},
+               speculative_config={"decoding_type": "draft_target", "speculative_model": model, "max_draft_len": 3,
+                                   "adaptive": False})
+    drafter_layers = [m for d in spec.drafter.draft_modules() for m in d.modules() if type(m) is torch.nn.Linear]
+    assert drafter_layers and all(isinstance(m.forward.__self__, W8A8Linear) for m in drafter_layers)
+    assert not any("forward" in m.__dict__ for m in spec.target.model.modules() if type(m) is torch.nn.Linear)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 10
 
 
 def test_unsupported_quantization_is_a_clear_error():
