@@ -76,3 +76,16 @@ $SPECDEC train mtp --data train_prompts/self_instruct.jsonl --out .train/mtp_si 
     ${RESUME:+--resume}
 cp .train/mtp_si/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
 $PY scripts/store_int8.py "$dest/model.safetensors"
+# 9. EAGLE-3 again, learnt from the default target (w4a8) as users run it: its answers
+#    (greedy, 160 tokens) and features to the first 1600 templated and the first 1600
+#    self-written prompts, shuffled (seed 0), the 16 templated held-out prompts last;
+#    3 epochs (1200 steps). It replaces step 3's head, which learnt the bfloat16 target.
+$PY scripts/make_mixed_prompts.py --take train_prompts/prompts.jsonl:1600 \
+    --take train_prompts/self_instruct.jsonl:1600 --held-out train_prompts/prompts.jsonl --seed 0 \
+    --out .train/w4a8/mixed.jsonl
+$SPECDEC train eagle3 --data .train/w4a8/mixed.jsonl --out .train/w4a8/eagle3 --quantization w4a8 \
+    --epochs "${EAGLE_EPOCHS:-3}" --batch-size 8 --lr 1e-3 --set draft_vocab_size=4096 --gen-batch-size 32 \
+    --save-every 100 ${RESUME:+--resume}
+dest=plugins/spec_eagle/specdec_eagle/weights/smollm2-135m-instruct-eagle3
+cp .train/w4a8/eagle3/{config.json,model.safetensors} "$dest/"
+$PY scripts/store_int8.py "$dest/model.safetensors"
