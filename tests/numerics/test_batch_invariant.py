@@ -91,18 +91,40 @@ def visible_slots(layout: AttentionLayout, token: int) -> tuple[list[int], int]:
     raise IndexError(token)
 
 
-@pytest.mark.parametrize("impl", INVARIANT)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def checked_tokens(layout: AttentionLayout, sample: bool) -> list[int]:
+    """Every token of the step, or (``sample``) each sequence's first and last token and two
+    others drawn with a fixed seed."""
+    if not sample:
+        return list(range(layout.num_tokens))
+    gen, tokens, first = torch.Generator().manual_seed(0), [], 0
+    for s in layout.seqs:
+        n = len(s.positions)
+        inner = (torch.randperm(n - 2, generator=gen)[:2] + 1).tolist() if n > 2 else []
+        tokens += sorted({first, first + n - 1, *(first + i for i in inner)})
+        first += n
+    return tokens
+
+
+#: (impl, dtype) pairs checked for invariance: under the Triton interpreter (the CUDA kernel
+#: on a CPU) float32 only, since the interpreter emulates bfloat16 and proves nothing of the
+#: device's rounding, which the CUDA run of this test checks in both dtypes
+INVARIANT_DTYPES = [(impl, dtype) for impl in INVARIANT for dtype in (torch.bfloat16, torch.float32)
+                    if not (impl == "triton" and DEVICE == "cpu" and dtype == torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("impl", "dtype"), INVARIANT_DTYPES)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_a_token_attends_as_if_it_were_decoded_alone(case, dtype, impl):
     """Each token of a packed step (prompt chunks, chains, tree nodes, several sequences)
     gets bit for bit what plain decoding of that token alone gets: its keys copied into a
-    fresh cache in position order, one query, one sequence."""
+    fresh cache in position order, one query, one sequence. Under the Triton interpreter
+    (the CUDA kernel on a CPU, a launch costing a second or so) each sequence's first, last
+    and two other tokens are checked; on its device and for the other kernels every token."""
     layout, keys, values, query, scale, window, softcap = case_inputs(case, dtype)
     attend = ATTENTION[impl]
     packed = attend(query, keys, values, layout, scale, window, softcap)
     bs = layout.block_size
-    for token in range(layout.num_tokens):
+    for token in checked_tokens(layout, sample=impl == "triton" and DEVICE == "cpu"):
         slots, position = visible_slots(layout, token)
         assert len(slots) == position + 1
         k_alone, v_alone = torch.zeros_like(keys), torch.zeros_like(values)
