@@ -89,3 +89,12 @@ $SPECDEC train eagle3 --data .train/w4a8/mixed.jsonl --out .train/w4a8/eagle3 --
 dest=plugins/spec_eagle/specdec_eagle/weights/smollm2-135m-instruct-eagle3
 cp .train/w4a8/eagle3/{config.json,model.safetensors} "$dest/"
 $PY scripts/store_int8.py "$dest/model.safetensors"
+# 10. Medusa again, on step 9's answers and the final-norm states of its feature store (the
+#     w4a8 target's); 3 epochs (1200 steps). It replaces step 5's heads.
+mkdir -p .train/w4a8/medusa
+cp -n .train/w4a8/eagle3/samples.jsonl .train/w4a8/medusa/ || true
+ln -sfn ../eagle3/features .train/w4a8/medusa/features
+$SPECDEC train medusa --data .train/w4a8/mixed.jsonl --out .train/w4a8/medusa --quantization w4a8 \
+    --epochs "${MEDUSA_EPOCHS:-3}" --batch-size 8 --lr 1e-3 --save-every 100 ${RESUME:+--resume}
+dest=plugins/spec_medusa/specdec_medusa/weights/smollm2-135m-instruct-medusa
+cp .train/w4a8/medusa/{config.json,medusa_lm_head.safetensors,draft_vocab.safetensors} "$dest/"
