@@ -106,32 +106,24 @@ class FeatureDrafter(Drafter):
         """The feature of rows computed by the target, from its hidden states of :attr:`layers`."""
         return target_hidden[0]
 
-    def expansion(self, request, depth: int, nodes: int) -> Expansion:
+    def expansion(self, request, depth: int, nodes: int, vocab: torch.Tensor | None) -> Expansion:
         """How this request's draft grows this step (at most ``depth`` levels, ``nodes``
-        nodes): as the config's :class:`~specdec.config.TreeDraftConfig` options say, a
-        chain where it has none; a dynamic tree given no more nodes than levels is the
-        chain (what the adaptive planner asks for where the chain pays more)."""
+        nodes) from logits over the draft vocabulary ``vocab`` (:attr:`draft_to_target`): as
+        the config's :class:`~specdec.config.TreeDraftConfig` options say, a chain where it
+        has none; a dynamic tree given no more nodes than levels is the chain (what the
+        adaptive planner asks for where the chain pays more)."""
         config = self.config
         if isinstance(config, TreeDraftConfig) and config.use_dynamic_tree and nodes > depth:
-            return DynamicExpansion(config.dynamic_tree_max_topK, depth, nodes)
+            return DynamicExpansion(config.dynamic_tree_max_topK, depth, nodes, vocab)
         if self.static_tree is not None:
-            return StaticExpansion(self.static_tree.trimmed(depth, nodes))
-        return ChainExpansion(min(depth, nodes), request)
+            return StaticExpansion(self.static_tree.trimmed(depth, nodes), vocab)
+        return ChainExpansion(min(depth, nodes), request, self.target.vocab_size, vocab)
 
     @functools.cached_property
     def static_tree(self) -> StaticTree | None:
         """The config's static tree (:meth:`TreeDraftConfig.static_tree_choices`), built once."""
         choices = self.config.static_tree_choices() if isinstance(self.config, TreeDraftConfig) else None
         return StaticTree.from_choices(choices) if choices else None
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 draft logits over the target's vocabulary (-inf outside the draft vocabulary)."""
-        logits = self.head_logits(hidden).float()
-        if self.draft_to_target is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.target.vocab_size), float("-inf"))
-        full[:, self.draft_to_target] = logits
-        return full
 
     @hookimpl
     def target_hidden_layers(self, target):
@@ -202,12 +194,13 @@ class FeatureDrafter(Drafter):
                         type(self).__name__, self.num_blocks, len(active))
             return proposals
         seq_of = {i: inp.seq for i, inp in zip(active, inputs)}
-        grow = {i: self.expansion(requests[i], draft_lens[i], max_nodes[i]) for i in active}
+        vocab = self.draft_to_target
+        grow = {i: self.expansion(requests[i], draft_lens[i], max_nodes[i], vocab) for i in active}
         frontier = {i: ([-1], out) for i, out in zip(active, outs)}  # nodes, their outputs [n, F]
         pending = {i: {} for i in active}  # node -> its pending index in the runner
         while frontier:
             order = list(frontier)
-            logits = self.draft_logits(torch.cat([frontier[i][1] for i in order]))
+            logits = self.head_logits(torch.cat([frontier[i][1] for i in order])).float()
             step_inputs, next_nodes, row = [], {}, 0
             for i in order:
                 nodes, hidden = frontier[i]

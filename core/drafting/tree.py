@@ -148,15 +148,17 @@ class DynamicTree:
         self.scores: list[float] = []
         self.frontier: list[int] = [-1]  # -1: the root
 
-    def expand(self, logprobs: torch.Tensor) -> list[int]:
+    def expand(self, logprobs: torch.Tensor, token_ids: torch.Tensor | None = None) -> list[int]:
         """Grow one level. ``logprobs[i]`` is the draft's log-distribution below frontier node
-        ``i`` (``[len(frontier), vocab]``). Adds ``top_k`` children per frontier node and
-        makes the ``top_k`` best of them the next frontier; returns the new nodes."""
+        ``i`` (``[len(frontier), vocab]``), its columns the tokens ``token_ids`` (None: the
+        column is the token). Adds ``top_k`` children per frontier node and makes the
+        ``top_k`` best of them the next frontier; returns the new nodes."""
         base = torch.tensor([0.0 if f < 0 else self.scores[f] for f in self.frontier], dtype=torch.float64)
         top = logprobs.double().topk(self.top_k, dim=-1)
+        tokens = (top.indices if token_ids is None else token_ids[top.indices]).tolist()
         new = []
         for row, parent in enumerate(self.frontier):
-            for lp, tok in zip(top.values[row].tolist(), top.indices[row].tolist()):
+            for lp, tok in zip(top.values[row].tolist(), tokens[row]):
                 self.tokens.append(tok)
                 self.parents.append(parent)
                 self.scores.append(float(base[row]) + lp)
