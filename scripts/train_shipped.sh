@@ -98,3 +98,14 @@ $SPECDEC train medusa --data .train/w4a8/mixed.jsonl --out .train/w4a8/medusa --
     --epochs "${MEDUSA_EPOCHS:-3}" --batch-size 8 --lr 1e-3 --save-every 100 ${RESUME:+--resume}
 dest=plugins/spec_medusa/specdec_medusa/weights/smollm2-135m-instruct-medusa
 cp .train/w4a8/medusa/{config.json,medusa_lm_head.safetensors,draft_vocab.safetensors} "$dest/"
+# 11. MTP again: step 8's module fine-tuned (`--init default`) on step 9's answers and the
+#     final-norm states of its feature store (the w4a8 target's), 2 epochs (800 steps) at
+#     step 8's lr. It replaces step 8's module.
+mkdir -p .train/w4a8/mtp
+cp -n .train/w4a8/eagle3/samples.jsonl .train/w4a8/mtp/ || true
+ln -sfn ../eagle3/features .train/w4a8/mtp/features
+$SPECDEC train mtp --data .train/w4a8/mixed.jsonl --out .train/w4a8/mtp --quantization w4a8 --init default \
+    --epochs "${MTP_EPOCHS:-2}" --batch-size 8 --lr 3e-4 --save-every 100 ${RESUME:+--resume}
+dest=plugins/spec_mtp/specdec_mtp/weights/smollm2-135m-instruct-mtp
+cp .train/w4a8/mtp/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
+$PY scripts/store_int8.py "$dest/model.safetensors"
