@@ -5,8 +5,8 @@ Drafters that run one draft forward per depth for the whole batch (EAGLE, MTP: s
 each level hands it the draft logits of the nodes it asked for and gets back the new nodes
 whose children come next. Logits are over the drafter's vocabulary, which ``vocab`` maps to
 target token ids: a reduced draft vocabulary is picked from as it is, never scattered into
-the target's (a 49,152-wide copy a level that cost a tenth of EAGLE-3's level on the CPU);
-tokens are target ids.
+the target's (a copy as wide as the target's vocabulary at every level); tokens are target
+ids.
 """
 
 from __future__ import annotations
