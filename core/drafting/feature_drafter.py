@@ -106,13 +106,13 @@ class FeatureDrafter(Drafter):
         """The feature of rows computed by the target, from its hidden states of :attr:`layers`."""
         return target_hidden[0]
 
-    def expansion(self, request, depth: int, nodes: int, vocab: torch.Tensor | None) -> Expansion:
+    def expansion(self, request, depth: int, nodes: int) -> Expansion:
         """How this request's draft grows this step (at most ``depth`` levels, ``nodes``
-        nodes) from logits over the draft vocabulary ``vocab`` (:attr:`draft_to_target`): as
-        the config's :class:`~specdec.config.TreeDraftConfig` options say, a chain where it
+        nodes) from logits over the draft vocabulary (:attr:`draft_to_target`): as the
+        config's :class:`~specdec.config.TreeDraftConfig` options say, a chain where it
         has none; a dynamic tree given no more nodes than levels is the chain (what the
         adaptive planner asks for where the chain pays more)."""
-        config = self.config
+        config, vocab = self.config, self.draft_to_target
         if isinstance(config, TreeDraftConfig) and config.use_dynamic_tree and nodes > depth:
             return DynamicExpansion(config.dynamic_tree_max_topK, depth, nodes, vocab)
         if self.static_tree is not None:
@@ -194,8 +194,7 @@ class FeatureDrafter(Drafter):
                         type(self).__name__, self.num_blocks, len(active))
             return proposals
         seq_of = {i: inp.seq for i, inp in zip(active, inputs)}
-        vocab = self.draft_to_target
-        grow = {i: self.expansion(requests[i], draft_lens[i], max_nodes[i], vocab) for i in active}
+        grow = {i: self.expansion(requests[i], draft_lens[i], max_nodes[i]) for i in active}
         frontier = {i: ([-1], out) for i, out in zip(active, outs)}  # nodes, their outputs [n, F]
         pending = {i: {} for i in active}  # node -> its pending index in the runner
         while frontier:
