@@ -270,7 +270,10 @@ class EngineConfig:
             one graph calls the invariant attention kernel
             (:func:`specdec.numerics.auto.compiles_invariant`); off elsewhere, where a
             compiled forward fuses operations by the step's token count and is not
-            batch-invariant (with ``batch_invariant: auto`` then off).
+            batch-invariant (with ``batch_invariant: auto`` then off). Where it is on, a
+            drafter's module compiles too (the ``compile_draft`` hook: EAGLE's and MTP's
+            layers, a draft model), so that a drafted level is not eager Python beside a
+            compiled target step.
         tensor_parallel_size: ranks the target is sharded over (transformers' tensor-parallel
             plan; heads, KV heads and MLP width must divide by it). On one machine specdec
             starts the other ranks itself; under ``torchrun`` every rank runs the program and

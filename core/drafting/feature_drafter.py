@@ -130,6 +130,10 @@ class FeatureDrafter(Drafter):
         return self.layers
 
     @hookimpl
+    def compile_draft(self, target):
+        self.runner.compile()
+
+    @hookimpl
     def on_draft_verified(self, results):
         for r in results:
             if not r.hidden_states:

@@ -10,7 +10,7 @@ Two kinds of implementers use them:
 
 The per-step hooks run in the order of the speculative step::
 
-    target_hidden_layers, reads_prompt_hidden_states (once) -> prepare_draft_tokens -> build_tree_mask
+    target_hidden_layers, reads_prompt_hidden_states, compile_draft (once) -> prepare_draft_tokens -> build_tree_mask
         -> target forward -> sampler -> on_draft_verified ... -> on_request_finished
 
 Each hook below says when it is called, its arguments and what it returns.
@@ -102,6 +102,28 @@ def reads_prompt_hidden_states() -> bool:
         @hookimpl
         def reads_prompt_hidden_states(self):
             return False
+    """
+
+
+@hookspec
+def compile_draft(target: TargetModel) -> None:
+    """Compile the draft side's forwards, since the target's run compiled (``engine.compile``).
+
+    Called once, when the engine starts, after the target's graphs are compiled, and only
+    then: a drafter whose levels run eagerly beside a compiled target pays the Python of
+    every small operator while the target pays none, so drafts cost more than they save.
+    Compile here, not on the first requests (:meth:`specdec.drafting.runner.DraftRunner.compile`
+    compiles a runner's module). Drafts may then differ from the eager ones in the last bits of their logits; what is
+    accepted never does.
+
+    :param target: the target model.
+    :return: nothing.
+
+    Example::
+
+        @hookimpl
+        def compile_draft(self, target):
+            self.runner.compile()
     """
 
 

@@ -18,25 +18,48 @@ Two ways to keep a draft cache in step with a request:
 The module is called as ``forward(input_ids [T], positions [T], meta, **features)`` and
 returns hidden states ``[T, H]``; ``features`` are per-token tensors ``[T, F]`` packed
 across requests (EAGLE's fused target states, say). Its attention layers must use
-specdec's attention, which reads ``meta``: transformers layers through their
-``attn_implementation`` (:func:`causal_lm_forward` sets it), hand-written layers by
-calling :func:`draft_attention`.
+specdec's attention and hand it ``meta`` as it came (the step's metadata, or what a
+compiled graph attends with): transformers layers through their ``attn_implementation``
+and the ``specdec`` keyword (:func:`causal_lm_forward`), hand-written layers by calling
+:func:`draft_attention`.
+
+Where the target runs compiled, so does the module (:meth:`DraftRunner.compile`): a draft
+level is a handful of small products whose eager Python costs more than their arithmetic.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import attrs
 import torch
 
+from ..kernels import cpu_kernel_fits
 from ..kvcache import KVCacheManager, NoFreeBlocks, PagedKVCache
 from ..kvcache.layout import AttentionLayout, SequenceSlice
-from ..model.target import ATTENTION_NAME, ForwardMetadata, paged_attention_forward, probe_kv_shapes
+from ..model.target import (
+    ATTENTION_NAME,
+    ForwardMetadata,
+    KeyRows,
+    compiled_step,
+    paged_attention_forward,
+    probe_kv_shapes,
+)
 from .interface import node_depths
 from .tree import ancestor_mask
 
+log = logging.getLogger(__name__)
+
 DraftForward = Callable[..., torch.Tensor]
+
+#: torch.compile's options for a draft module: no guards on its modules (the checks cost
+#: time every call; nothing changes them once drafting starts), no size, stride or
+#: alignment checks after the operators inductor does not generate, and a C++ wrapper (a
+#: Python one's few dozen calls cost as much as a draft layer's arithmetic)
+DRAFT_COMPILE_OPTIONS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                         "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
+                         "cpp_wrapper": True}
 
 
 @attrs.define(eq=False)
@@ -80,12 +103,17 @@ class DraftRunner:
     """Runs a draft module over its own paged KV cache, batched over requests."""
 
     def __init__(self, forward: DraftForward, layer_shapes: list[tuple[int, int, int]], num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device):
+                 block_size: int, dtype: torch.dtype, device: torch.device,
+                 feature_examples: dict[str, torch.Tensor] | None = None):
         self.module_forward = forward
         self.device = device
         cache = PagedKVCache(layer_shapes, num_blocks, block_size, dtype, device)
         self.kv = KVCacheManager(cache, num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[str, DraftSequence] = {}
+        #: ``[1, F]`` examples of the module's per-token inputs (what :meth:`compile` warms up with)
+        self.feature_examples = feature_examples or {}
+        self._compiled = None
+        self._key_rows = False  # the compiled module attends over key rows on the CPU kernel
 
     @classmethod
     def for_module(cls, forward: DraftForward, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -95,7 +123,38 @@ class DraftRunner:
         shapes = probe_kv_shapes(lambda meta: forward(torch.zeros(1, dtype=torch.long, device=device),
                                                       torch.zeros(1, dtype=torch.long, device=device), meta,
                                                       **features), type(forward).__name__)
-        return cls(forward, shapes, num_blocks, block_size, dtype, device)
+        return cls(forward, shapes, num_blocks, block_size, dtype, device, features)
+
+    def compile(self) -> None:
+        """Run the module through ``torch.compile`` from now on: a graph for one row and one
+        for two or more (sizes dynamic), both compiled here on a scratch sequence, not on
+        the first requests. Its attention is traced into the graph on the CPU kernel,
+        every token over its own row of keys (:attr:`AttentionLayout.token_key_rows`,
+        chains, trees and pending nodes alike), else it is the core's opaque
+        paged-attention operator (the step's layout read from
+        :data:`~specdec.model.target.compiled_step`). Its numerics may differ from the
+        eager ones in the last bits: drafts change, never what is accepted."""
+        forward = self.module_forward
+
+        def draft_step(input_ids, positions, attend, features):
+            return forward(input_ids, positions, attend, **features)
+
+        # Dynamo keeps graphs per code object: one of this runner's own (see TargetModel.compile).
+        draft_step.__code__ = draft_step.__code__.replace()
+        self._compiled = torch.compile(draft_step, options=DRAFT_COMPILE_OPTIONS)
+        cache = self.kv.cache
+        self._key_rows = self.device.type == "cpu" and all(cpu_kernel_fits(k, k, v)
+                                                            for k, v in zip(cache.keys, cache.values))
+        scratch = DraftSequence()
+        try:
+            for rows in (2, 1):
+                self.forward([DraftInput(scratch, [0] * rows, features={k: v.repeat(rows, 1)
+                                                                        for k, v in self.feature_examples.items()})])
+        except Exception as exc:  # noqa: BLE001 - a module torch.compile cannot take drafts eagerly
+            log.warning("the draft module did not compile (%s: %s); it runs eagerly", type(exc).__name__, exc)
+            self._compiled, self._key_rows = None, False
+        finally:
+            self.kv.free(scratch)
 
     def sequence(self, request_id: str) -> DraftSequence:
         return self.seqs.setdefault(request_id, DraftSequence())
@@ -112,6 +171,7 @@ class DraftRunner:
         self.kv.commit(seq, keep)
         return seq
 
+    @torch.inference_mode()
     def forward(self, inputs: list[DraftInput]) -> list[torch.Tensor] | None:
         """One packed forward of every input's new tokens; per input, ``[rows, H]`` outputs.
 
@@ -138,12 +198,36 @@ class DraftRunner:
             for name, value in inp.features.items():
                 features.setdefault(name, []).append(value)
         layout = AttentionLayout(slices, self.kv.block_size, self.device)
-        hidden = self.module_forward(torch.tensor(tokens, device=self.device), layout.query_positions,
-                                     ForwardMetadata(cache=self.kv.cache, layout=layout),
-                                     **{k: torch.cat(v) for k, v in features.items()})
+        hidden = self._module(torch.tensor(tokens, device=self.device), layout.query_positions,
+                              ForwardMetadata(cache=self.kv.cache, layout=layout),
+                              {k: torch.cat(v) for k, v in features.items()})
         for inp, slc in zip(inputs, slices):
             self._advance(inp, slc.positions.tolist())
         return [hidden[torch.tensor(r, device=hidden.device)] for r in rows]
+
+    def _module(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
+                features: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self._compiled is None:
+            return self.module_forward(input_ids, positions, meta, **features)
+        positions = positions.clone()  # an inference-mode copy, as every other input
+        attend = self._step_rows(meta, positions) if self._key_rows else None
+        # sizes of tokens dynamic past one (a graph of one token is compiled apart), of keys always
+        dynamic = [attend.key_slots, attend.key_pos] if attend is not None else []
+        if len(input_ids) > 1:
+            dynamic += [input_ids, positions, *features.values(), *(attend[2:] if attend is not None else ())]
+        for tensor in dynamic:
+            torch._dynamo.mark_dynamic(tensor, 0)
+        compiled_step.meta = meta
+        try:
+            return self._compiled(input_ids, positions, attend, features)
+        finally:
+            compiled_step.meta = None
+
+    @staticmethod
+    def _step_rows(meta: ForwardMetadata, positions: torch.Tensor) -> KeyRows:
+        rows = meta.layout.token_key_rows
+        return KeyRows(tuple(meta.cache.keys), tuple(meta.cache.values), rows["new_slots"], rows["slots"],
+                       rows["key_pos"], rows["offset"], rows["count"], positions)
 
     def _slice(self, inp: DraftInput) -> SequenceSlice:
         seq = inp.seq
@@ -206,9 +290,10 @@ class DraftRunner:
 
 
 def draft_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    meta: ForwardMetadata, scale: float) -> torch.Tensor:
+                    meta: ForwardMetadata | KeyRows | None, scale: float) -> torch.Tensor:
     """Attention of a hand-written draft layer over the runner's cache: writes the new
-    tokens' K/V and attends with the step's masks. ``query`` ``[heads, T, dim]``, ``key`` and
+    tokens' K/V and attends with the step's masks (``meta``: what the runner hands the
+    module, whether it runs eagerly or compiled). ``query`` ``[heads, T, dim]``, ``key`` and
     ``value`` ``[kv_heads, T, dim]`` after rotary; ``module.layer_idx`` names the cache layer.
     Returns ``[T, heads, value_dim]``."""
     out, _ = paged_attention_forward(module, query[None], key[None], value[None], None, scaling=scale, specdec=meta)

@@ -94,6 +94,8 @@ class Engine:
         if self.compiled:
             target.compile(self.batch_invariant)
             self._warm_up_compiled()
+            if self.hooks is not None:
+                self.hooks.compile_draft(target=target)
         # the torch attentions pad a batch's sequences to the widest, the kernels do not; the
         # batch-invariant torch attention also runs a step's draft trees as a batch of their own
         attention_is_kernel = (invariant_attention_is_kernel(target.device) if self.batch_invariant

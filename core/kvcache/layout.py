@@ -9,6 +9,7 @@ masks directly. Each view is derived lazily, once.
 
 from __future__ import annotations
 
+import array
 from functools import cached_property
 
 import attrs
@@ -74,9 +75,19 @@ def causal_mask(n: int) -> torch.Tensor:
     return rows[:, None] >= rows
 
 
+def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values``: through an ``array``, whose one C loop over the list
+    costs a fraction of what ``torch.tensor`` pays per element (context-long key rows)."""
+    if not values:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.frombuffer(array.array("q", values), dtype=torch.long).to(device)
+
+
 def slot_ids(block_table: list[int], block_size: int, start: int, count: int) -> list[int]:
     """Cache slots of positions ``start .. start + count`` of a sequence with this block table."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+    first, last = start // block_size, (start + count + block_size - 1) // block_size
+    slots = [slot for block in block_table[first:last] for slot in range(block * block_size, (block + 1) * block_size)]
+    return slots[start - first * block_size:start - first * block_size + count]
 
 
 @attrs.define
@@ -387,6 +398,50 @@ class AttentionLayout:
             near = (self.query_positions[:, None] - self.key_positions[None, :]) < window
             self._window_masks[window] = near if self.dense_mask is None else near & self.dense_mask
         return self._window_masks[window]
+
+    @cached_property
+    def token_key_rows(self) -> dict[str, torch.Tensor]:
+        """Every token's keys as one row of cache slots, pending draft nodes included (what
+        :func:`specdec.kernels.cpu.attend_key_rows` reads): a causal sequence's tokens
+        share one row and see its first keys up to their own; each node of a tree (or a
+        level of one over pending nodes) has a row of its own, the keys it sees in cache
+        order. ``slots`` / ``key_pos`` the rows, flattened, then one unread slot (so that
+        no row set is a single key); per token the ``offset`` of its row, the ``count`` of
+        keys it sees and its own slot (``new_slots``, :attr:`slot_mapping`'s values).
+        Built in plain Python, cheaper than :attr:`invariant_key_rows`, whose layout a
+        target's bits depend on (a draft's do not)."""
+        slots: list[int] = []
+        key_pos: list[int] = []
+        offset: list[int] = []
+        count: list[int] = []
+        new_slots: list[int] = []
+        for s in self.seqs:
+            n, keys = len(s.positions), s.start + len(s.positions)
+            seq_slots = slot_ids(s.block_table, self.block_size, 0, keys)
+            seq_pos = list(range(s.start)) + s.positions.tolist()
+            new_slots += seq_slots[s.start:]
+            if s.tree_mask is None and s.pending_mask is None:
+                offset += [len(slots)] * n
+                count += range(s.start + 1, keys + 1)
+                slots += seq_slots
+                key_pos += seq_pos
+                continue
+            m = s.pending_mask.shape[1] if s.pending_mask is not None else 0
+            committed = s.start - m
+            if m:
+                seq_pos[committed:s.start] = s.pending_positions.tolist()
+            pending = s.pending_mask.tolist() if m else [[]] * n
+            for sees_pending, sees_new in zip(pending, self._tree(s).tolist()):
+                cols = [committed + j for j, seen in enumerate(sees_pending) if seen]
+                cols += [s.start + j for j, seen in enumerate(sees_new) if seen]
+                offset.append(len(slots))
+                count.append(committed + len(cols))
+                slots += seq_slots[:committed] + [seq_slots[c] for c in cols]
+                key_pos += seq_pos[:committed] + [seq_pos[c] for c in cols]
+        slots.append(slots[0])
+        key_pos.append(key_pos[0])
+        out = {"slots": slots, "key_pos": key_pos, "offset": offset, "count": count, "new_slots": new_slots}
+        return {k: long_tensor(v, self.device) for k, v in out.items()}
 
     # -- the Triton kernel's view ----------------------------------------------------
 

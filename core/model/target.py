@@ -82,21 +82,25 @@ class KeyRows(NamedTuple):
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                             specdec: ForwardMetadata | None = None, specdec_sequence: SequenceKV | None = None,
-                             sliding_window=None, softcap=None, **kwargs):
+                             specdec: ForwardMetadata | SequenceKV | KeyRows | None = None, sliding_window=None,
+                             softcap=None, **kwargs):
+    """specdec's attention, by what ``specdec`` holds: the step's :class:`ForwardMetadata`
+    (an eager forward), a compiled graph's inputs (:class:`SequenceKV`, :class:`KeyRows`:
+    traced into the graph), or None (a compiled forward whose step's metadata waits in
+    :data:`compiled_step`: the opaque operator)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if isinstance(specdec_sequence, KeyRows):
-        layer, step = module.layer_idx, specdec_sequence
+    if isinstance(specdec, KeyRows):
+        layer, step = module.layer_idx, specdec
         _write_kv(step.keys[layer], step.values[layer], step.slots, key, value)
         out = attend_key_rows(query[0], step.keys[layer], step.values[layer], step.key_slots, step.key_pos,
                               step.offset, step.count, step.query_pos, scale, sliding_window, softcap)
         return out.unsqueeze(0), None
-    if specdec_sequence is not None and sliding_window is None and softcap is None:
-        layer, step = module.layer_idx, specdec_sequence
+    if isinstance(specdec, SequenceKV) and sliding_window is None and softcap is None:
+        layer, step = module.layer_idx, specdec
         _write_kv(step.keys[layer], step.values[layer], step.slots, key, value)
         k, v = gather_context(step.keys[layer], step.values[layer], step.context)
         return grouped_attention(query[0], k, v, step.mask, scale).unsqueeze(0), None
-    if specdec is None:  # a compiled target forward: the step's metadata waits in compiled_step
+    if not isinstance(specdec, ForwardMetadata):
         return torch.ops.specdec.paged_attention(query, key, value, module.layer_idx, scale, sliding_window,
                                                  softcap), None
     return _attend(module.layer_idx, query, key, value, specdec, scale, sliding_window, softcap), None
@@ -367,7 +371,7 @@ class TargetModel:
 
         def logits(input_ids, position_ids, rows, sequence):
             return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows,
-                         specdec_sequence=sequence).logits
+                         specdec=sequence).logits
 
         # Dynamo keeps graphs per code object: one of this target's own, since its graphs
         # are not guarded on the modules (the checks cost time every call; the engine never

@@ -23,9 +23,7 @@ def _ref_last(ref, tokens):
         return getattr(ref, ref.base_model_prefix)(torch.tensor([tokens])).last_hidden_state[0, -1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "deepseek_v3"])
-def test_tree_levels_then_accepted_path_match_a_no_cache_forward(tiny_models, arch):
-    runner, ref = _models(tiny_models[arch])
+def _tree_levels_then_accepted_path(runner, ref):
     prefix = [5, 17, 3, 9, 22, 41, 7, 13, 2, 30]  # longer than the tiny models' sliding windows
     a, b, c, d, e = 11, 12, 21, 22, 31
     with torch.inference_mode():
@@ -47,6 +45,35 @@ def test_tree_levels_then_accepted_path_match_a_no_cache_forward(tiny_models, ar
         torch.testing.assert_close(after[0], _ref_last(ref, prefix + [b, d, e]), atol=1e-4, rtol=1e-4)
         runner.release("r")
     assert runner.kv.pool.num_free == runner.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "deepseek_v3"])
+def test_tree_levels_then_accepted_path_match_a_no_cache_forward(tiny_models, arch):
+    _tree_levels_then_accepted_path(*_models(tiny_models[arch]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_compiled_runner_matches_a_no_cache_forward_on_its_two_graphs(tiny_models, arch):
+    """Compiled (as beside a compiled target), the module attends over every token's own
+    row of keys on the CPU kernel (sliding windows and soft-capping too, gemma2): tree
+    levels over pending nodes, the accepted path, and a batch of a prompt, a chain token
+    and a tree level, equal to no-cache forwards, on the graphs compiled up front."""
+    from torch._dynamo.utils import counters
+
+    runner, ref = _models(tiny_models[arch])
+    runner.compile()
+    graphs = counters["stats"]["unique_graphs"]
+    _tree_levels_then_accepted_path(runner, ref)
+    p1, p2, p3 = [4, 8, 15, 16, 23, 42, 7], [3, 1, 4], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4]
+    with torch.inference_mode():
+        s1, s2, s3 = (runner.sync(name, p) for name, p in (("a", p1), ("b", p2), ("c", p3)))
+        runner.forward([DraftInput(s2, p2), DraftInput(s3, p3)])
+        outs = runner.forward([DraftInput(s1, p1), DraftInput(s2, [9]),
+                               DraftInput(s3, [5, 6], parents=[-1, -1], output_rows=[0, 1])])
+    torch.testing.assert_close(outs[0][0], _ref_last(ref, p1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[1][0], _ref_last(ref, p2 + [9]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[2][1], _ref_last(ref, p3 + [6]), atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_batched_requests_and_chain_rollback(tiny_models):
@@ -122,3 +149,21 @@ def test_a_feature_queue_rolls_back_to_a_row_inside_a_block_or_chunk():
     assert queue.tokens == [10] and torch.equal(torch.cat(queue.fused), rows[:1]) and queue.chunks == []
     queue.keep(0)
     assert queue.tokens == [] and queue.fused == [] and queue.chunks == []
+
+
+def test_a_module_that_does_not_compile_drafts_eagerly(tiny_models, caplog, monkeypatch):
+    """A draft module whose compilation fails costs its compiled speed, with a warning,
+    never the drafter: the runner keeps running it eagerly, outputs unchanged."""
+    runner, ref = _models(tiny_models["llama"])
+
+    def failing_compile(fn, **options):
+        def compiled(*args, **kwargs):
+            raise RuntimeError("the backend failed")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    runner.compile()
+    assert "did not compile" in caplog.text and runner.kv.pool.num_free == runner.kv.pool.num_blocks
+    with torch.inference_mode():
+        (out,) = runner.forward([DraftInput(runner.sequence("a"), [3, 1, 4, 1, 5])])
+    torch.testing.assert_close(out[0], _ref_last(ref, [3, 1, 4, 1, 5]), atol=1e-4, rtol=1e-4)

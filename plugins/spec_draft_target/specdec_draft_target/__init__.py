@@ -129,6 +129,10 @@ class DraftTargetDrafter(Drafter):
         return self.head(hidden).float()
 
     @hookimpl
+    def compile_draft(self, target):
+        self.runner.compile()
+
+    @hookimpl
     def prepare_draft_tokens(self, requests, draft_lens):
         seqs = [self.runner.sync(r.request_id, r.token_ids) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
