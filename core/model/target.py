@@ -302,12 +302,8 @@ class TargetModel:
         self._hook_layers()
 
     def _hook_layers(self) -> None:
-        """Hook the wanted layers; every layer where the one invariant graph keeps any (see
-        :meth:`compile`)."""
-        layers = self._wanted
-        if self._compiled is not None and self._invariant and layers:
-            layers = {*range(self.num_layers), *([-1] if self._norm is not None else [])}
-        for layer in sorted(layers):
+        """Hook the wanted layers (a compiled graph keeps those layers' states only)."""
+        for layer in sorted(self._wanted):
             if layer in self._hooked:
                 continue
             if layer == -1:
@@ -356,10 +352,10 @@ class TargetModel:
         of a decode step; the first compilation takes longer). A step of one token runs
         its token twice, since a graph traced at one token is compiled apart, with other
         kernels: each token's result then depends on its own sequence only, whatever
-        shares the step. Where a drafter reads hidden states, that graph keeps every
-        layer's, whichever it reads, so that the target compiles two graphs at most, one
-        without states and one for every drafting method that reads them (a few kilobytes
-        a token and layer on the CPU models it serves).
+        shares the step. Where a drafter reads hidden states, the graph keeps the layers
+        it reads and no others: every state kept is a buffer inductor may not reuse and a
+        fusion it may not make, in every step, at the price of a graph per set of layers
+        read.
         """
         model = self.model
         self._invariant = batch_invariant
