@@ -85,7 +85,11 @@ def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
 
 def slot_ids(block_table: list[int], block_size: int, start: int, count: int) -> list[int]:
     """Cache slots of positions ``start .. start + count`` of a sequence with this block table."""
+    if count <= 0:
+        return []
     first, last = start // block_size, (start + count + block_size - 1) // block_size
+    if last > len(block_table):
+        raise IndexError(f"positions up to {start + count - 1} need {last} blocks; the table holds {len(block_table)}")
     slots = [slot for block in block_table[first:last] for slot in range(block * block_size, (block + 1) * block_size)]
     return slots[start - first * block_size:start - first * block_size + count]
 
