@@ -112,9 +112,10 @@ def compile_draft(target: TargetModel) -> None:
     Called once, when the engine starts, after the target's graphs are compiled, and only
     then: a drafter whose levels run eagerly beside a compiled target pays the Python of
     every small operator while the target pays none, so drafts cost more than they save.
-    Compile here, not on the first requests (:meth:`specdec.drafting.runner.DraftRunner.compile`
-    compiles a runner's module). Drafts may then differ from the eager ones in the last bits of their logits; what is
-    accepted never does.
+    Compile here, not on the first requests
+    (:meth:`specdec.drafting.runner.DraftRunner.compile` compiles a runner's module).
+    Drafts may then differ from the eager ones where logits differ in their last bits;
+    the output never does, since the target verifies every draft.
 
     :param target: the target model.
     :return: nothing.

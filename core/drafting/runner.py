@@ -133,7 +133,7 @@ class DraftRunner:
         chains, trees and pending nodes alike), else it is the core's opaque
         paged-attention operator (the step's layout read from
         :data:`~specdec.model.target.compiled_step`). Its numerics may differ from the
-        eager ones in the last bits: drafts change, never what is accepted."""
+        eager ones in the last bits: drafts may change, the output never does."""
         forward = self.module_forward
 
         def draft_step(input_ids, positions, attend, features):
