@@ -42,6 +42,7 @@ from ..model.target import (
     ATTENTION_NAME,
     ForwardMetadata,
     KeyRows,
+    compile_unguarded,
     compiled_step,
     paged_attention_forward,
     probe_kv_shapes,
@@ -53,13 +54,11 @@ log = logging.getLogger(__name__)
 
 DraftForward = Callable[..., torch.Tensor]
 
-#: torch.compile's options for a draft module: no guards on its modules (the checks cost
-#: time every call; nothing changes them once drafting starts), no size, stride or
-#: alignment checks after the operators inductor does not generate, and a C++ wrapper (a
-#: Python one's few dozen calls cost as much as a draft layer's arithmetic)
-DRAFT_COMPILE_OPTIONS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                         "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
-                         "cpp_wrapper": True}
+#: inductor's options for a draft module: no size, stride or alignment checks after the
+#: operators it does not generate, and a C++ wrapper (a Python one's few dozen calls cost
+#: as much as a draft layer's arithmetic)
+DRAFT_INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
+                          "cpp_wrapper": True}
 
 
 @attrs.define(eq=False)
@@ -139,9 +138,7 @@ class DraftRunner:
         def draft_step(input_ids, positions, attend, features):
             return forward(input_ids, positions, attend, **features)
 
-        # Dynamo keeps graphs per code object: one of this runner's own (see TargetModel.compile).
-        draft_step.__code__ = draft_step.__code__.replace()
-        self._compiled = torch.compile(draft_step, options=DRAFT_COMPILE_OPTIONS)
+        self._compiled = compile_unguarded(draft_step, **DRAFT_INDUCTOR_OPTIONS)
         cache = self.kv.cache
         self._key_rows = self.device.type == "cpu" and all(cpu_kernel_fits(k, k, v)
                                                             for k, v in zip(cache.keys, cache.values))

@@ -128,6 +128,16 @@ def _attend(layer: int, query, key, value, meta: ForwardMetadata, scale: float, 
 compiled_step = threading.local()
 
 
+def compile_unguarded(fn, **options):
+    """``torch.compile`` of ``fn`` with graphs of its own and no guards on modules. Dynamo
+    keeps graphs per code object, so ``fn`` gets a code object of its own: its graphs are
+    not guarded on the modules they read (the checks cost time every call; nothing changes
+    those modules once compiled) and would otherwise serve another caller's calls."""
+    fn.__code__ = fn.__code__.replace()
+    return torch.compile(fn, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                      **options})
+
+
 def _compiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
                         sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """The paged attention as one operator opaque to torch.compile: the step's layout is a
@@ -369,13 +379,7 @@ class TargetModel:
             return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows,
                          specdec=sequence).logits
 
-        # Dynamo keeps graphs per code object: one of this target's own, since its graphs
-        # are not guarded on the modules (the checks cost time every call; the engine never
-        # changes the target's modules once compiled) and would serve another target's calls.
-        logits.__code__ = logits.__code__.replace()
-        self._compiled = torch.compile(
-            logits, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        self._hook_layers()
+        self._compiled = compile_unguarded(logits)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
