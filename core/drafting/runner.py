@@ -40,6 +40,7 @@ from ..kvcache import KVCacheManager, NoFreeBlocks, PagedKVCache
 from ..kvcache.layout import AttentionLayout, SequenceSlice
 from ..model.target import (
     ATTENTION_NAME,
+    CPP_WRAPPER_OPTIONS,
     ForwardMetadata,
     KeyRows,
     compile_unguarded,
@@ -53,13 +54,6 @@ from .tree import ancestor_mask
 log = logging.getLogger(__name__)
 
 DraftForward = Callable[..., torch.Tensor]
-
-#: inductor's options for a draft module: no size, stride or alignment checks after the
-#: operators it does not generate, and a C++ wrapper (a Python one's few dozen calls cost
-#: as much as a draft layer's arithmetic)
-DRAFT_INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
-                          "cpp_wrapper": True}
-
 
 @attrs.define(eq=False)
 class DraftSequence:
@@ -138,7 +132,7 @@ class DraftRunner:
         def draft_step(input_ids, positions, attend, features):
             return forward(input_ids, positions, attend, **features)
 
-        self._compiled = compile_unguarded(draft_step, **DRAFT_INDUCTOR_OPTIONS)
+        self._compiled = compile_unguarded(draft_step, **CPP_WRAPPER_OPTIONS)
         cache = self.kv.cache
         self._key_rows = self.device.type == "cpu" and all(cpu_kernel_fits(k, k, v)
                                                             for k, v in zip(cache.keys, cache.values))

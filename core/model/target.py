@@ -128,6 +128,15 @@ def _attend(layer: int, query, key, value, meta: ForwardMetadata, scale: float, 
 compiled_step = threading.local()
 
 
+#: inductor's options for a graph with a C++ wrapper (a Python wrapper's operator calls cost
+#: a third of a decode step): no size, stride or alignment checks after the operators it
+#: does not generate; the wrapper built apart from the kernels, at gcc's ``-O1`` (one
+#: ``-O3`` build of both took 180 s of the embedded target's first compilation on two
+#: cores, apart 27 s, its steps no slower)
+CPP_WRAPPER_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
+                       "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+
+
 def compile_unguarded(fn, **options):
     """``torch.compile`` of ``fn`` with graphs of its own and no guards on modules. Dynamo
     keeps graphs per code object, so ``fn`` gets a code object of its own: its graphs are
@@ -449,9 +458,7 @@ class TargetModel:
         if not hasattr(step.keys[0], "_dynamo_dynamic_indices"):  # once per cache: its slots, whatever their number
             for pool in (*step.keys, *step.values):
                 torch._dynamo.mark_dynamic(pool, 0)
-        with torch._inductor.config.patch({"size_asserts": False, "alignment_asserts": False,
-                                           "scalar_asserts": False, "emulate_precision_casts": True,
-                                           "cpp_wrapper": True}):
+        with torch._inductor.config.patch({**CPP_WRAPPER_OPTIONS, "emulate_precision_casts": True}):
             return self._compiled(ids, positions, rows, step)[0, :count].float()
 
     @staticmethod
