@@ -106,9 +106,10 @@ class CudaGraphs:
     (:meth:`forward`, same contract as :meth:`TargetModel.forward`), eagerly elsewhere."""
 
     def __init__(self, target: TargetModel, cache: PagedKVCache, block_size: int, max_model_len: int,
-                 max_batch: int):
+                 max_batch: int, hidden_layers: frozenset[int] = frozenset()):
         self.target = target
         self.cache = cache
+        self.hidden_layers = hidden_layers
         self.block_size = block_size
         self.batches = batch_buckets(max_batch)
         self.table_width = -(-(max_model_len + WIDTHS[-1]) // block_size)
@@ -192,7 +193,7 @@ class CudaGraphs:
                             "starts": self._starts[:batch],
                             "num_new": torch.full((batch,), width, dtype=torch.int32, device=device)})
         self._load([], batch, width)
-        meta = ForwardMetadata(cache=self.cache, layout=layout)
+        meta = ForwardMetadata(cache=self.cache, layout=layout, hidden_layers=self.hidden_layers)
         return self._ids[:tokens], self._positions[:tokens], meta, torch.arange(tokens, device=device)
 
     def _capture(self, batch: int, width: int) -> _Graph | None:

@@ -106,9 +106,10 @@ class Engine:
                         if spec is not None else None)
         self.drafts = DraftStage(self.hooks, self.planner, self.kv, target.vocab_size, self.max_model_len,
                                  spec.decoding_type if spec is not None else "drafter")
-        graphs = (CudaGraphs(target, cache, config.block_size, self.max_model_len, config.max_batch_size)
+        graphs = (CudaGraphs(target, cache, config.block_size, self.max_model_len, config.max_batch_size,
+                             frozenset(self.hidden_layers))
                   if config.cuda_graphs else None)
-        self.forward = PackedForward(target, self.kv, self.batch_invariant, graphs)
+        self.forward = PackedForward(target, self.kv, self.batch_invariant, frozenset(self.hidden_layers), graphs)
         self.grammars = GrammarCompiler(target.tokenizer, target.eos_token_ids)
         self.verifier = Verifier(target.eos_token_ids,
                                  spec.acceptance_rule(target.tokenizer) if spec is not None else None)
@@ -151,7 +152,8 @@ class Engine:
                                       for table, count in step], size, device)
             tokens = layout.num_tokens
             self.target.forward(torch.zeros(tokens, dtype=torch.long, device=device), layout.query_positions,
-                                ForwardMetadata(cache=self.kv.cache, layout=layout),
+                                ForwardMetadata(cache=self.kv.cache, layout=layout,
+                                                hidden_layers=frozenset(self.hidden_layers)),
                                 torch.tensor([tokens - 1], device=device))
         log.info("engine.compile: the target's graphs compiled in %.0f s", time.perf_counter() - started)
 

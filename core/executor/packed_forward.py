@@ -19,10 +19,11 @@ from .step_items import StepItem
 
 class PackedForward:
     def __init__(self, target: TargetModel, kv: KVCacheManager, batch_invariant: bool,
-                 cuda_graphs: CudaGraphs | None = None):
+                 hidden_layers: frozenset[int], cuda_graphs: CudaGraphs | None = None):
         self.target = target
         self.kv = kv
         self.batch_invariant = batch_invariant
+        self.hidden_layers = hidden_layers
         self.cuda_graphs = cuda_graphs
 
     def __call__(self, items: list[StepItem]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -46,5 +47,6 @@ class PackedForward:
                                  self.kv.block_size, device)
         forward = self.target.forward if self.cuda_graphs is None else self.cuda_graphs.forward
         return forward(torch.tensor(tokens, device=device), layout.query_positions,
-                       ForwardMetadata(cache=self.kv.cache, layout=layout, batch_invariant=self.batch_invariant),
+                       ForwardMetadata(cache=self.kv.cache, layout=layout, batch_invariant=self.batch_invariant,
+                                       hidden_layers=self.hidden_layers),
                        torch.tensor(rows, device=device, dtype=torch.long))

@@ -10,7 +10,9 @@ the step built (causal for prompts, tree-shaped for drafts, block-diagonal acros
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable
 from typing import NamedTuple
 
 import attrs
@@ -39,12 +41,15 @@ ATTENTION_NAME = "specdec_paged"
 class ForwardMetadata:
     """What the attention layers need for one packed forward: the cache and the step's
     layout. ``probe`` collects K/V shapes instead. ``batch_invariant``: attention whose
-    result for a token does not depend on the rest of the step (:mod:`specdec.numerics.invariant`)."""
+    result for a token does not depend on the rest of the step (:mod:`specdec.numerics.invariant`).
+    ``hidden_layers``: the layers whose hidden states the forward returns (hooked by
+    :meth:`TargetModel.capture_hidden_layers` first)."""
 
     cache: PagedKVCache | None
     layout: AttentionLayout | None = None
     probe: list | None = None
     batch_invariant: bool = False
+    hidden_layers: frozenset[int] = frozenset()
 
 
 class SequenceKV(NamedTuple):
@@ -267,8 +272,11 @@ class TargetModel:
         self._captured: dict[int, torch.Tensor] = {}
         self._invariant = False
         self._hooked: set[int] = set()  # layers with a hook writing ``_captured``
-        self._wanted: set[int] = set()  # layers whose states forwards return
-        self._compiled = None
+        self._capturing: frozenset[int] = frozenset()  # layers whose states this forward keeps
+        self._linear_forwards: tuple[bool, bool] | None = None
+        self._compiled: dict[frozenset[int], Callable] | None = None  # a graph per set of layers kept
+        self._layer_sets: dict[frozenset[int], frozenset[int]] = {}
+        self._lock = threading.Lock()
         self.layer_shapes = self._probe_kv_shapes()
 
     #: ranks the target is sharded over (:mod:`specdec.parallel`); its decoder layers run
@@ -304,6 +312,9 @@ class TargetModel:
         ``prepack`` asks and that is exact (:func:`specdec.kernels.prepack_linear`), else
         the stock one. The attention half of the invariant mode is
         :attr:`ForwardMetadata.batch_invariant`."""
+        if self._linear_forwards == (batch_invariant, prepack):
+            return
+        self._linear_forwards = (batch_invariant, prepack)
         for module in self.model.modules():
             if isinstance(module, torch.nn.Linear):
                 restore_linear(module)
@@ -316,13 +327,10 @@ class TargetModel:
         return target_parts(self.model)
 
     def capture_hidden_layers(self, layers: list[int]) -> None:
-        """Keep the hidden states of these layers (``-1``: final norm output) at every forward."""
-        self._wanted.update(layers)
-        self._hook_layers()
-
-    def _hook_layers(self) -> None:
-        """Hook the wanted layers (a compiled graph keeps those layers' states only)."""
-        for layer in sorted(self._wanted):
+        """Hook these layers (``-1``: final norm output), so that a forward whose
+        :attr:`ForwardMetadata.hidden_layers` names them returns their hidden states. A
+        forward keeps the states it names and no others (nor does its compiled graph)."""
+        for layer in sorted(layers):
             if layer in self._hooked:
                 continue
             if layer == -1:
@@ -339,8 +347,9 @@ class TargetModel:
 
     def _make_hook(self, layer: int):
         def hook(_module, _inputs, output):
-            out = output[0] if isinstance(output, tuple) else output
-            self._captured[layer] = out[0]
+            if layer in self._capturing:
+                out = output[0] if isinstance(output, tuple) else output
+                self._captured[layer] = out[0]
 
         return hook
 
@@ -374,8 +383,16 @@ class TargetModel:
         shares the step. Where a drafter reads hidden states, the graph keeps the layers
         it reads and no others: every state kept is a buffer inductor may not reuse and a
         fusion it may not make, in every step, at the price of a graph per set of layers
-        read.
+        read, compiled on its first forward.
+
+        Engines sharing the target (:mod:`specdec.model.kept`) compile it once: a second
+        call with the same ``batch_invariant`` keeps the graphs there are.
         """
+        if self._compiled is not None:
+            if batch_invariant != self._invariant:
+                raise RuntimeError(f"{self.name} is compiled with batch_invariant={self._invariant}; an engine "
+                                   f"asking for {batch_invariant} needs a target of its own")
+            return
         model = self.model
         self._invariant = batch_invariant
         self._trace_sequences = not paged_attention_is_triton(self.device)
@@ -383,37 +400,60 @@ class TargetModel:
         # freezing's passes run again in every process (the embedded model in w4a8 reached
         # its first token 60 s after start frozen, 23 s not, torch's caches warm).
         self._freeze = self.device.type == "cpu" and any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        self._compiled = {}
 
-        def logits(input_ids, position_ids, rows, sequence):
-            return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows,
-                         specdec=sequence).logits
+    def _graph(self, layers: frozenset[int]) -> Callable:
+        """The compiled forward keeping ``layers``' states: a code object of its own, so
+        that its graphs serve that set only."""
+        graph = self._compiled.get(layers)
+        if graph is None:
+            model = self.model
 
-        self._compiled = compile_unguarded(logits)
+            def logits(input_ids, position_ids, rows, sequence):
+                return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows,
+                             specdec=sequence).logits
+
+            graph = self._compiled[layers] = compile_unguarded(logits)
+        return graph
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                 logits_rows: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """One packed forward. Returns float32 logits of ``logits_rows`` and captured hidden states.
+        """One packed forward. Returns float32 logits of ``logits_rows`` and the hidden
+        states of ``meta.hidden_layers``.
 
         ``input_ids`` and ``positions`` are ``[T]``; every token's K/V lands in its slot
-        (``meta.layout``).
+        (``meta.layout``). One forward at a time: engines sharing the target may run in
+        different threads.
         """
-        if self._compiled is not None:
-            self._captured = {}
+        if self._compiled is None:
+            logits, captured = self.forward_raw(input_ids, positions, meta, logits_rows)
+            return logits.float(), captured
+        with self._capturing_states(meta.hidden_layers):
             logits = self._compiled_logits(input_ids[None], positions[None], meta, logits_rows)
             tokens = len(input_ids)  # a token run twice (_invariant_logits) is captured twice
-            return logits, {layer: self._captured[layer][:tokens] for layer in self._wanted}
-        logits, captured = self.forward_raw(input_ids, positions, meta, logits_rows)
-        return logits.float(), captured
+            return logits, {layer: self._captured[layer][:tokens] for layer in meta.hidden_layers}
 
     def forward_raw(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                     logits_rows: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The eager forward as :meth:`forward`, its logits in the model's dtype: what a
         CUDA graph captures (:mod:`specdec.executor.cuda_graphs`), which reads its outputs after a replay."""
-        self._captured = {}
-        out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
-                         logits_to_keep=logits_rows, specdec=meta)
-        return out.logits[0], {layer: self._captured[layer] for layer in self._wanted}
+        with self._capturing_states(meta.hidden_layers):
+            out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
+                             logits_to_keep=logits_rows, specdec=meta)
+            return out.logits[0], {layer: self._captured[layer] for layer in meta.hidden_layers}
+
+    @contextlib.contextmanager
+    def _capturing_states(self, layers: frozenset[int]):
+        """The hooks of ``layers`` keep their states for one forward, one forward at a time.
+        The set is interned: a compiled graph is guarded on it. Outside a forward no hook
+        keeps anything (a layer-skip draft runs the target's own layers)."""
+        with self._lock:
+            self._captured, self._capturing = {}, self._layer_sets.setdefault(layers, layers)
+            try:
+                yield
+            finally:
+                self._capturing = frozenset()
 
     def _compiled_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                          rows: torch.Tensor) -> torch.Tensor:
@@ -436,7 +476,7 @@ class TargetModel:
             with torch._inductor.config.patch({"freezing": self._freeze, "size_asserts": False,
                                                "alignment_asserts": False, "scalar_asserts": False,
                                                "cpp.enable_concat_linear": True}):
-                return self._compiled(ids, positions, rows, sequence)[0, :count].float()
+                return self._graph(meta.hidden_layers)(ids, positions, rows, sequence)[0, :count].float()
         finally:
             compiled_step.meta = None
 
@@ -459,7 +499,7 @@ class TargetModel:
             for pool in (*step.keys, *step.values):
                 torch._dynamo.mark_dynamic(pool, 0)
         with torch._inductor.config.patch({**CPP_WRAPPER_OPTIONS, "emulate_precision_casts": True}):
-            return self._compiled(ids, positions, rows, step)[0, :count].float()
+            return self._graph(meta.hidden_layers)(ids, positions, rows, step)[0, :count].float()
 
     @staticmethod
     def _sequence_kv(meta: ForwardMetadata) -> SequenceKV:

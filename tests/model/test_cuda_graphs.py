@@ -63,7 +63,8 @@ def test_steps_no_graph_holds_run_eagerly_and_show_in_metrics(tiny_models):
     want = LLM(model=str(tiny_models["llama"]), dtype="float32", device="cpu").generate([[5, 6, 7]], params)
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32", device="cpu")
     engine = llm.engine
-    engine.forward.cuda_graphs = CudaGraphs(engine.target, engine.kv.cache, 16, max_model_len=256, max_batch=8)
+    engine.forward.cuda_graphs = CudaGraphs(engine.target, engine.kv.cache, 16, max_model_len=256, max_batch=8,
+                                            hidden_layers=engine.forward.hidden_layers)
     got = llm.generate([[5, 6, 7]], params)
     assert got[0].token_ids == want[0].token_ids
     assert engine.cuda_graphs.eager_steps == got[0].metrics.num_steps + 1 > 1  # the prompt's step, then decodes
@@ -88,7 +89,7 @@ def test_graphed_steps_give_the_eager_logits_and_hidden_states(tiny_models):
     target = TargetModel(load_causal_lm(tiny_models["llama"], torch.float32, device), None, "tiny")
     target.capture_hidden_layers([0, -1])
     caches = [PagedKVCache(target.layer_shapes, 16, 16, target.dtype, device) for _ in range(2)]
-    graphs = CudaGraphs(target, caches[1], 16, max_model_len=256, max_batch=4)
+    graphs = CudaGraphs(target, caches[1], 16, max_model_len=256, max_batch=4, hidden_layers=frozenset({0, -1}))
     blocks = [[0, 1, 2], [5, 4, 3], [9, 8, 10]]
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     steps = [
@@ -106,7 +107,8 @@ def test_graphed_steps_give_the_eager_logits_and_hidden_states(tiny_models):
         results = []
         for cache, forward in zip(caches, (target.forward, graphs.forward)):
             layout = AttentionLayout(seqs, 16, device)
-            logits, hidden = forward(ids, layout.query_positions, ForwardMetadata(cache=cache, layout=layout), rows)
+            meta = ForwardMetadata(cache=cache, layout=layout, hidden_layers=frozenset({0, -1}))
+            logits, hidden = forward(ids, layout.query_positions, meta, rows)
             results.append((logits, dict(hidden)))
         (eager, eager_hidden), (graphed, graphed_hidden) = results
         torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
