@@ -17,6 +17,7 @@ from .errors import RequestError
 from .executor.engine import Engine
 from .executor.metrics import RequestMetrics
 from .kernels import prepack_linears
+from .model.kept import keep_target, kept_target, reuse_key
 from .model.loading import (
     gguf_file,
     load_tokenizer,
@@ -130,21 +131,14 @@ class LLM:
             raise
 
     def _load(self, config: SpecdecConfig, spec, registry, seed: int) -> None:
-        model_obj, path = load_weights(config.model, config.engine.quantization, self.dtype,
-                                       self.group.device if self.group is not None else self.device)
-        tok_path = resolve_model_dir(config.tokenizer) if config.tokenizer else path
-        self.tokenizer = load_tokenizer(tok_path)
+        key = reuse_key(config, self.dtype, self.device)
+        self.target = kept_target(key) or self._load_target(config)
+        keep_target(key, self.target)
+        self.tokenizer = self.target.tokenizer
+        tok_path = resolve_model_dir(config.tokenizer) if config.tokenizer else self.target.path
         #: where the tokenizer was loaded from (a server's other process loads it from there)
         self.tokenizer_path = str(tok_path) if self.tokenizer is not None else None
         self.codec = TextCodec(self.tokenizer)
-        name = model_display_name(config.model, path)
-        if self.group is None:
-            self.target = TargetModel(model_obj, self.tokenizer, name, max_model_len=config.engine.max_model_len,
-                                      path=path)
-        else:
-            shard_model(model_obj, 0, self.group.size, self.group)
-            self.target = ShardedTarget(model_obj, self.tokenizer, name, self.group,
-                                        max_model_len=config.engine.max_model_len, path=path)
         hooks = self.drafter = None
         if spec is not None:
             self.drafter = registry.create_drafter(spec, self.target)
@@ -155,6 +149,17 @@ class LLM:
                     prepack_linears(module)
             hooks = drafter_plugin_manager(self.drafter, spec.decoding_type)
         self.engine = Engine(self.target, config.engine, spec, hooks, seed=seed)
+
+    def _load_target(self, config: SpecdecConfig) -> TargetModel:
+        model_obj, path = load_weights(config.model, config.engine.quantization, self.dtype,
+                                       self.group.device if self.group is not None else self.device)
+        tokenizer = load_tokenizer(resolve_model_dir(config.tokenizer) if config.tokenizer else path)
+        name = model_display_name(config.model, path)
+        if self.group is None:
+            return TargetModel(model_obj, tokenizer, name, max_model_len=config.engine.max_model_len, path=path)
+        shard_model(model_obj, 0, self.group.size, self.group)
+        return ShardedTarget(model_obj, tokenizer, name, self.group, max_model_len=config.engine.max_model_len,
+                             path=path)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave their group (nothing at size 1);

@@ -1,19 +1,26 @@
 """The compiled target forward (``engine.compile``): the eager forward's logits and hidden
 states, three graphs compiled when the engine starts and none while it serves, drafts as
 lossless as without it, on plain and int4 targets; on the integer-dot kernels one
-batch-invariant graph, on by default."""
+batch-invariant graph, on by default; engines sharing a target share its graphs. Every
+test starts without a kept target (:mod:`specdec.model.kept`): they count graphs."""
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from specdec import LLM, SamplingParams, testing
+from specdec import LLM, Drafter, SamplingParams, hookimpl, testing
 from specdec.errors import ConfigError
 from specdec.kernels import int8_dot
 from specdec.kvcache import PagedKVCache
 from specdec.kvcache.layout import AttentionLayout, SequenceSlice
+from specdec.model.kept import release_kept_targets
 from specdec.model.loading import load_causal_lm
 from specdec.model.target import ForwardMetadata, TargetModel
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_target():
+    release_kept_targets()
 
 
 def _forwards(target: TargetModel) -> list[tuple[torch.Tensor, dict]]:
@@ -30,7 +37,8 @@ def _forwards(target: TargetModel) -> list[tuple[torch.Tensor, dict]]:
         layout = AttentionLayout([SequenceSlice(block_table=[0, 1], start=start, positions=positions,
                                                 tree_mask=mask)], 16, target.device)
         logits, captured = target.forward(ids[start:start + count], positions,
-                                          ForwardMetadata(cache=cache, layout=layout), torch.tensor(rows))
+                                          ForwardMetadata(cache=cache, layout=layout, hidden_layers=frozenset({0, -1})),
+                                          torch.tensor(rows))
         out.append((logits, dict(captured)))
     return out
 
@@ -158,3 +166,57 @@ def test_targets_compiled_in_one_process_keep_their_own_graphs(tiny_models):
     assert eager["llama"] != eager["gemma2"]
     for arch, llm in compiled.items():
         assert llm.generate(prompts, params)[0].token_ids == eager[arch]
+
+
+class _StateReader(Drafter):
+    """Drafts nothing; reads the first layer's and the final states of what it verified."""
+
+    seen: list = []
+
+    @hookimpl
+    def target_hidden_layers(self, target):
+        return [0, -1]
+
+    @hookimpl
+    def prepare_draft_tokens(self, requests, draft_lens):
+        return [None] * len(requests)
+
+    @hookimpl
+    def on_draft_verified(self, results):
+        self.seen.extend(sorted(r.hidden_states) for r in results)
+
+
+def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_states(tiny_models):
+    """A second LLM asking for the same weights, numerics and compilation gets the first
+    one's target, its graphs compiled: no load, no new graph. One whose drafter reads
+    hidden states shares it too, with graphs of its own that keep them, while the plain
+    engines' graphs keep none. Used in turn, each answers as the eager target does; the
+    last target stays after its LLMs are gone, until released."""
+    import gc
+    import weakref
+
+    model = str(tiny_models["llama"])
+    prompts = [[5, 9, 11, 3, 7], list(range(20, 40))]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eager = LLM(model=model, dtype="float32")
+    before = counters["stats"]["unique_graphs"]
+    plain = LLM(model=model, dtype="float32", engine={"compile": True})
+    assert plain.target is not eager.target and counters["stats"]["unique_graphs"] - before == 3
+    again = LLM(model=model, dtype="float32", engine={"compile": True, "max_batch_size": 2})
+    reader = LLM(model=model, dtype="float32", engine={"compile": True},
+                 speculative_config={"decoding_type": "user", "drafter": _StateReader})
+    assert again.target is plain.target is reader.target
+    assert counters["stats"]["unique_graphs"] - before == 6
+    assert set(plain.target._compiled) == {frozenset(), frozenset({0, -1})}
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    for llm in (plain, reader, again, reader, plain):
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert counters["stats"]["unique_graphs"] - before == 6
+    assert _StateReader.seen and all(layers == [-1, 0] for layers in _StateReader.seen)
+    target = weakref.ref(plain.target)
+    del eager, plain, again, reader, llm
+    gc.collect()
+    assert target() is not None
+    release_kept_targets()
+    gc.collect()
+    assert target() is None
