@@ -1,8 +1,8 @@
 """The compiled target forward (``engine.compile``): the eager forward's logits and hidden
 states, three graphs compiled when the engine starts and none while it serves, drafts as
 lossless as without it, on plain and int4 targets; on the integer-dot kernels one
-batch-invariant graph, on by default; engines sharing a target share its graphs. Every
-test starts without a kept target (:mod:`specdec.model.kept`): they count graphs."""
+batch-invariant graph, on by default; engines sharing a target share its graphs. A test
+that counts graphs starts without a kept target (:mod:`specdec.model.kept`)."""
 
 import pytest
 import torch
@@ -16,11 +16,6 @@ from specdec.kvcache.layout import AttentionLayout, SequenceSlice
 from specdec.model.kept import release_kept_targets
 from specdec.model.loading import load_causal_lm
 from specdec.model.target import ForwardMetadata, TargetModel
-
-
-@pytest.fixture(autouse=True)
-def _no_kept_target():
-    release_kept_targets()
 
 
 def _forwards(target: TargetModel) -> list[tuple[torch.Tensor, dict]]:
@@ -93,6 +88,7 @@ def test_three_graphs_compile_when_the_engine_starts_and_none_while_it_serves(ti
     prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (1, 7, 30)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     eager = LLM(model=str(tiny_models["llama"]), dtype="float32").generate(prompts, params)
+    release_kept_targets()
     before = counters["stats"]["unique_graphs"]
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32", engine={"compile": True})
     assert counters["stats"]["unique_graphs"] - before == 3
@@ -130,6 +126,7 @@ def test_an_integer_dot_target_compiles_one_graph_whose_tokens_ignore_their_neig
     every step (a token alone runs twice through it), and a token's logits are the same bits
     decoded alone, in a chunk of its sequence and beside another sequence's tokens; served
     alone or batched, with drafts or without, the answers are the same."""
+    release_kept_targets()
     before = counters["stats"]["unique_graphs"]
     llm = LLM(model=str(tiny_models["llama"]), dtype="bfloat16", device="cpu", engine={"quantization": "w4a8"})
     assert llm.engine.compiled and llm.engine.batch_invariant
@@ -198,6 +195,7 @@ def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_stat
     model = str(tiny_models["llama"])
     prompts = [[5, 9, 11, 3, 7], list(range(20, 40))]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    release_kept_targets()
     eager = LLM(model=model, dtype="float32")
     before = counters["stats"]["unique_graphs"]
     plain = LLM(model=model, dtype="float32", engine={"compile": True})
