@@ -57,6 +57,25 @@ class OracleDrafter(Drafter):
         return out
 
 
+class StateWatcher(Drafter):
+    """Drafts nothing; keeps every verified result (``seen``, cleared by the test), with
+    the hidden states of the first layer and the final norm."""
+
+    seen: list = []
+
+    @hookimpl
+    def target_hidden_layers(self, target):
+        return [0, -1]
+
+    @hookimpl
+    def prepare_draft_tokens(self, requests, draft_lens):
+        return [None] * len(requests)
+
+    @hookimpl
+    def on_draft_verified(self, results):
+        self.seen.extend(results)
+
+
 def random_layout(gen, block_size: int, num_blocks: int, shapes: list, device: str = "cpu") -> AttentionLayout:
     """shapes: (committed tokens, new tokens, tree?) per sequence."""
     free = torch.randperm(num_blocks, generator=gen).tolist()

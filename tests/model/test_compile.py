@@ -6,9 +6,10 @@ that counts graphs starts without a kept target (:mod:`specdec.model.kept`)."""
 
 import pytest
 import torch
+from helpers import StateWatcher
 from torch._dynamo.utils import counters
 
-from specdec import LLM, Drafter, SamplingParams, hookimpl, testing
+from specdec import LLM, SamplingParams, testing
 from specdec.errors import ConfigError
 from specdec.kernels import int8_dot
 from specdec.kvcache import PagedKVCache
@@ -165,24 +166,6 @@ def test_targets_compiled_in_one_process_keep_their_own_graphs(tiny_models):
         assert llm.generate(prompts, params)[0].token_ids == eager[arch]
 
 
-class _StateReader(Drafter):
-    """Drafts nothing; reads the first layer's and the final states of what it verified."""
-
-    seen: list = []
-
-    @hookimpl
-    def target_hidden_layers(self, target):
-        return [0, -1]
-
-    @hookimpl
-    def prepare_draft_tokens(self, requests, draft_lens):
-        return [None] * len(requests)
-
-    @hookimpl
-    def on_draft_verified(self, results):
-        self.seen.extend(sorted(r.hidden_states) for r in results)
-
-
 def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_states(tiny_models):
     """A second LLM asking for the same weights, numerics and compilation gets the first
     one's target, its graphs compiled: no load, no new graph. One whose drafter reads
@@ -196,13 +179,14 @@ def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_stat
     prompts = [[5, 9, 11, 3, 7], list(range(20, 40))]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     release_kept_targets()
+    StateWatcher.seen.clear()
     eager = LLM(model=model, dtype="float32")
     before = counters["stats"]["unique_graphs"]
     plain = LLM(model=model, dtype="float32", engine={"compile": True})
     assert plain.target is not eager.target and counters["stats"]["unique_graphs"] - before == 3
     again = LLM(model=model, dtype="float32", engine={"compile": True, "max_batch_size": 2})
     reader = LLM(model=model, dtype="float32", engine={"compile": True},
-                 speculative_config={"decoding_type": "user", "drafter": _StateReader})
+                 speculative_config={"decoding_type": "user", "drafter": StateWatcher})
     assert again.target is plain.target is reader.target
     assert counters["stats"]["unique_graphs"] - before == 6
     assert set(plain.target._compiled) == {frozenset(), frozenset({0, -1})}
@@ -210,7 +194,7 @@ def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_stat
     for llm in (plain, reader, again, reader, plain):
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert counters["stats"]["unique_graphs"] - before == 6
-    assert _StateReader.seen and all(layers == [-1, 0] for layers in _StateReader.seen)
+    assert StateWatcher.seen and all(sorted(r.hidden_states) == [-1, 0] for r in StateWatcher.seen)
     target = weakref.ref(plain.target)
     del eager, plain, again, reader, llm
     gc.collect()

@@ -82,27 +82,15 @@ def test_each_request_of_a_batch_gets_the_hidden_states_of_its_own_committed_tok
 
 
 def test_hidden_states_reach_the_drafter_without_recomputation(tiny_models):
-    from specdec import Drafter, hookimpl
-
-    seen = []
-
-    class Watcher(Drafter):
-        @hookimpl
-        def target_hidden_layers(self, target):
-            return [0, -1]
-
-        @hookimpl
-        def prepare_draft_tokens(self, requests, draft_lens):
-            return [None] * len(requests)
-
-        @hookimpl
-        def on_draft_verified(self, results):
-            seen.extend(results)
-
     import sys
     import types
+
+    from helpers import StateWatcher
+
+    seen = StateWatcher.seen
+    seen.clear()
     module = types.ModuleType("watcher_mod")
-    module.Watcher = Watcher
+    module.Watcher = StateWatcher
     sys.modules["watcher_mod"] = module
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32",
               speculative_config={"decoding_type": "user", "drafter": "watcher_mod:Watcher"})
