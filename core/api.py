@@ -142,13 +142,22 @@ class LLM:
         hooks = self.drafter = None
         if spec is not None:
             self.drafter = registry.create_drafter(spec, self.target)
-            for module in self.drafter.draft_modules() if hasattr(self.drafter, "draft_modules") else []:
+            for layer in self._drafters_own_linears():
                 if config.engine.draft_quantization == "w8a8":
-                    quantize_linears_w8a8(module)
+                    quantize_linears_w8a8(layer)
                 if config.engine.prepack_weights:
-                    prepack_linears(module)
+                    prepack_linears(layer)
             hooks = drafter_plugin_manager(self.drafter, spec.decoding_type)
         self.engine = Engine(self.target, config.engine, spec, hooks, seed=seed)
+
+    def _drafters_own_linears(self) -> list[torch.nn.Module]:
+        """The linear layers of the drafter's modules that are not the target's: a layer-skip
+        draft runs the target's own layers, and a drafter may hold the target's head; their
+        forwards are the target's to choose (other LLMs may share it)."""
+        modules = self.drafter.draft_modules() if hasattr(self.drafter, "draft_modules") else []
+        targets = {id(m) for m in self.target.model.modules()}
+        return [m for module in modules for m in module.modules()
+                if isinstance(m, torch.nn.Linear) and id(m) not in targets]
 
     def _load_target(self, config: SpecdecConfig) -> TargetModel:
         model_obj, path = load_weights(config.model, config.engine.quantization, self.dtype,

@@ -231,7 +231,9 @@ class Drafter:
         self.target = target
 
     def draft_modules(self) -> list[torch.nn.Module]:
-        """The modules this drafter runs, whose bfloat16 linear layers the engine prepacks on
-        CPU (``engine.prepack_weights``): by default every ``nn.Module`` attribute. Never
-        trained in place once drafting has started (the packed copies would go stale)."""
+        """The modules this drafter runs, whose linear layers the engine prepacks on CPU
+        (``engine.prepack_weights``) or gives w8a8 forwards (``engine.draft_quantization``),
+        except those of the target a module shares (a layer-skip draft's layers, a head): by
+        default every ``nn.Module`` attribute. Never trained in place once drafting has
+        started (the packed copies would go stale)."""
         return [value for value in vars(self).values() if isinstance(value, torch.nn.Module)]

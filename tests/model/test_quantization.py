@@ -235,6 +235,25 @@ def test_a_w8a8_drafter_on_an_unquantized_target_drafts_losslessly(tiny_models):
     assert sum(o.metrics.num_accepted_tokens for o in got) > 10
 
 
+def test_a_layer_skip_draft_leaves_the_layers_it_shares_with_the_target_as_they_are(tiny_models):
+    """A layer-skip draft runs the target's own layers and head: the w8a8 forwards a
+    drafter's modules are given skip them, so the target (shared with the plain LLM of the
+    same process) keeps its numerics, and greedy output equals plain output."""
+    model = str(tiny_models["llama"])
+    prompts = [list(range(3, 40, 3)) * 2, list(range(50, 9, -4)) * 2]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=model, dtype="float32", device="cpu")
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(model=model, dtype="float32", device="cpu", engine={"draft_quantization": "w8a8"},
+               speculative_config={"decoding_type": "draft_target", "draft_layers": 1, "max_draft_len": 3,
+                                   "adaptive": False})
+    assert spec.target is plain.target
+    assert not any("forward" in m.__dict__ for m in spec.target.model.modules() if type(m) is torch.nn.Linear)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == want == [o.token_ids for o in plain.generate(prompts, params)]
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 10
+
+
 def test_unsupported_quantization_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"quantization.*must be one of 'auto', 'none', 'int8', 'int4'.*int3"):
         LLM(device="cpu", engine={"quantization": "int3"})
