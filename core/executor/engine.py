@@ -76,6 +76,8 @@ class Engine:
             wanted = self.hooks.target_hidden_layers(target=target)
             self.hidden_layers = sorted({layer for layers in wanted for layer in layers})
             target.capture_hidden_layers(self.hidden_layers)
+        #: the layers whose states every target forward of this engine keeps
+        self.state_layers = frozenset(self.hidden_layers)
         keep_states = bool(self.hidden_layers) and config.enable_prefix_caching and _reads_prompt_hidden_states(hooks)
         num_blocks = kv_cache_blocks(config, target, len(self.hidden_layers) if keep_states else 0)
         cache = target.new_kv_cache(num_blocks, config.block_size)
@@ -107,9 +109,9 @@ class Engine:
         self.drafts = DraftStage(self.hooks, self.planner, self.kv, target.vocab_size, self.max_model_len,
                                  spec.decoding_type if spec is not None else "drafter")
         graphs = (CudaGraphs(target, cache, config.block_size, self.max_model_len, config.max_batch_size,
-                             frozenset(self.hidden_layers))
+                             self.state_layers)
                   if config.cuda_graphs else None)
-        self.forward = PackedForward(target, self.kv, self.batch_invariant, frozenset(self.hidden_layers), graphs)
+        self.forward = PackedForward(target, self.kv, self.batch_invariant, self.state_layers, graphs)
         self.grammars = GrammarCompiler(target.tokenizer, target.eos_token_ids)
         self.verifier = Verifier(target.eos_token_ids,
                                  spec.acceptance_rule(target.tokenizer) if spec is not None else None)
@@ -153,7 +155,7 @@ class Engine:
             tokens = layout.num_tokens
             self.target.forward(torch.zeros(tokens, dtype=torch.long, device=device), layout.query_positions,
                                 ForwardMetadata(cache=self.kv.cache, layout=layout,
-                                                hidden_layers=frozenset(self.hidden_layers)),
+                                                hidden_layers=self.state_layers),
                                 torch.tensor([tokens - 1], device=device))
         log.info("engine.compile: the target's graphs compiled in %.0f s", time.perf_counter() - started)
 

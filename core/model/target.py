@@ -133,13 +133,15 @@ def _attend(layer: int, query, key, value, meta: ForwardMetadata, scale: float, 
 compiled_step = threading.local()
 
 
+#: inductor's options for every graph here: no size, stride or alignment checks after the
+#: operators it does not generate (a step is faster without them)
+NO_ASSERTS_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+
 #: inductor's options for a graph with a C++ wrapper (a Python wrapper's operator calls cost
-#: a third of a decode step): no size, stride or alignment checks after the operators it
-#: does not generate; the wrapper built apart from the kernels, at gcc's ``-O1`` (one
-#: ``-O3`` build of both took 180 s of the embedded target's first compilation on two
+#: a third of a decode step): the wrapper built apart from the kernels, at gcc's ``-O1``
+#: (one ``-O3`` build of both took 180 s of the embedded target's first compilation on two
 #: cores, apart 27 s, its steps no slower)
-CPP_WRAPPER_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False,
-                       "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+CPP_WRAPPER_OPTIONS = {**NO_ASSERTS_OPTIONS, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
 def compile_unguarded(fn, **options):
@@ -470,11 +472,9 @@ class TargetModel:
         compiled_step.meta = meta
         try:
             # Set for the call, where compiling happens (freezing passed as an option of
-            # torch.compile left the weights unpacked, torch 2.13). Without the size, stride
-            # and alignment checks inductor adds after every operator it does not generate,
-            # a step is faster; the products that share an input (q/k/v, gate/up) run as one.
-            with torch._inductor.config.patch({"freezing": self._freeze, "size_asserts": False,
-                                               "alignment_asserts": False, "scalar_asserts": False,
+            # torch.compile left the weights unpacked, torch 2.13). The products that share
+            # an input (q/k/v, gate/up) run as one.
+            with torch._inductor.config.patch({**NO_ASSERTS_OPTIONS, "freezing": self._freeze,
                                                "cpp.enable_concat_linear": True}):
                 return self._graph(meta.hidden_layers)(ids, positions, rows, sequence)[0, :count].float()
         finally:
