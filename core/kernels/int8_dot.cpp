@@ -13,6 +13,7 @@
 //
 //   4-bit (w = q * d + m per row and block):  y = y + float(dot) * (d * s);  y = y + m * (s * sum(a))
 //   8-bit (w = (u - 128) * scale per row):    y = y + float(dot - 128 * sum(a)) * s;  at the end y = y * scale
+//   8-bit blocks (w = (u - 128) * d per row and 32 or 16 columns):  y = y + float(dot - 128 * sum(a)) * (d * s)
 //
 // so an output depends on its token's activations and its weight row alone: the kernel is
 // row-invariant by construction, whatever the row count, tiling, thread split or ISA.
@@ -80,7 +81,7 @@ inline int32_t quantize_block(const T* x, int8_t* a, float* scale) {
 struct Activations {
   std::vector<int8_t> codes;
   std::vector<float> scales, scaled_sums;
-  std::vector<int32_t> sums;
+  std::vector<int32_t> sums, half_sums;  // half_sums: per 16 columns, for 8-bit rows of two scales a block
 };
 
 template <typename T>
@@ -90,10 +91,16 @@ void quantize_rows(const T* x, int64_t tokens, int64_t k, Activations& act) {
   act.scales.resize(blocks);
   act.scaled_sums.resize(blocks);
   act.sums.resize(blocks);
+  act.half_sums.resize(2 * blocks);
   at::parallel_for(0, blocks, 512, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+      const int8_t* codes = act.codes.data() + i * BLOCK;
       act.sums[i] = quantize_block(x + i * BLOCK, act.codes.data() + i * BLOCK, &act.scales[i]);
       act.scaled_sums[i] = act.scales[i] * static_cast<float>(act.sums[i]);
+      int32_t low = 0;
+      for (int j = 0; j < BLOCK / 2; ++j) low += codes[j];
+      act.half_sums[2 * i] = low;
+      act.half_sums[2 * i + 1] = act.sums[i] - low;
     }
   });
 }
@@ -221,10 +228,14 @@ constexpr int LANES = GROUP / HALVES;
 
 // Q4: a group's block is 4 chunks of 64 bytes; chunk c holds columns 8c..8c+7, byte 4r+i
 // of it row r's column 8c+i (low nibble) and 8c+4+i (high nibble). dm: per block 16 d then
-// 16 m, float16.
-template <int TT>
+// 16 m, float16 (GGUF's Q4_0 / Q4_1) or float32 (Q4_K, whose super-block scale times a
+// 6-bit sub-block scale float16 cannot hold).
+inline FloatVec load_scales(const at::Half* p, int half) { return load_halves(p, half); }
+inline FloatVec load_scales(const float* p, int half) { return load_floats(p, half); }
+
+template <int TT, typename S>
 inline void q4_tile(const int8_t* a, const float* s, const float* sa, int64_t k, const uint8_t* w,
-                    const at::Half* dm, float* out) {
+                    const S* dm, float* out) {
   const int64_t blocks = k / BLOCK;
   for (int half = 0; half < HALVES; ++half) {
     FloatVec y[TT];
@@ -237,8 +248,8 @@ inline void q4_tile(const int8_t* a, const float* s, const float* sa, int64_t k,
         q[2 * c] = nibbles_low(v);
         q[2 * c + 1] = nibbles_high(v);
       }
-      const FloatVec d = load_halves(dm + b * 2 * GROUP, half);
-      const FloatVec m = load_halves(dm + b * 2 * GROUP + GROUP, half);
+      const FloatVec d = load_scales(dm + b * 2 * GROUP, half);
+      const FloatVec m = load_scales(dm + b * 2 * GROUP + GROUP, half);
       for (int t = 0; t < TT; ++t) {
         const int8_t* ab = a + t * k + b * BLOCK;
         IntVec acc = int_zero();
@@ -277,19 +288,66 @@ inline void q8_tile(const int8_t* a, const float* s, const int32_t* sums, int64_
   }
 }
 
+// Q8B: q8's layout with SUBS float32 scales per row and block (one per 32 or per 16
+// columns), per block SUBS runs of 16 (GGUF's Q5_0 and Q8_0: one; Q6_K: two). The codes'
+// offset of 128 comes off with the activations' sums of each scale's columns.
+template <int TT, int SUBS>
+inline void q8b_tile(const int8_t* a, const float* s, const int32_t* half_sums, int64_t k, const uint8_t* w,
+                     const float* scales, float* out) {
+  const int64_t blocks = k / BLOCK;
+  constexpr int CHUNKS = 8 / SUBS;  // 4-column chunks per scale
+  for (int half = 0; half < HALVES; ++half) {
+    FloatVec y[TT];
+    for (int t = 0; t < TT; ++t) y[t] = fzero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* wb = w + b * (GROUP * BLOCK);
+      IntVec q[8];
+      for (int c = 0; c < 8; ++c) q[c] = load_codes(wb + 64 * c, half);
+      FloatVec d[SUBS];
+      for (int u = 0; u < SUBS; ++u) d[u] = load_floats(scales + (b * SUBS + u) * GROUP, half);
+      for (int t = 0; t < TT; ++t) {
+        const int8_t* ab = a + t * k + b * BLOCK;
+        const int32_t* hs = half_sums + 2 * (t * blocks + b);
+        const FloatVec st = fset(s[t * blocks + b]);
+        for (int u = 0; u < SUBS; ++u) {
+          IntVec acc = int_zero();
+          for (int j = u * CHUNKS; j < (u + 1) * CHUNKS; ++j) acc = dot4_s8(acc, q[j], bcast(ab + 4 * j));
+          if (!CODES_OFFSET_SUBTRACTED) acc = int_sub(acc, int_set(128 * (SUBS == 1 ? hs[0] + hs[1] : hs[u])));
+          y[t] = fadd(y[t], fmul(to_float(acc), fmul(d[u], st)));
+        }
+      }
+    }
+    for (int t = 0; t < TT; ++t) fstore(out + t * GROUP + half * LANES, y[t]);
+  }
+}
+
 // Per kind: the per-token, per-block term its tiles read beside the activation scales
 // (4-bit: s * sum(a), the minimum's factor; 8-bit: the code sums) and the tiles themselves.
+template <typename S>
 struct Q4 {
   using Aux = float;
+  static constexpr int64_t AUX_PER_BLOCK = 1;
   static const Aux* aux(const Activations& act) { return act.scaled_sums.data(); }
   template <int TT>
   static void tile(const int8_t* a, const float* s, const Aux* sa, int64_t k, const uint8_t* w, const void* scales,
                    float* out) {
-    q4_tile<TT>(a, s, sa, k, w, static_cast<const at::Half*>(scales), out);
+    q4_tile<TT>(a, s, sa, k, w, static_cast<const S*>(scales), out);
+  }
+};
+template <int SUBS>
+struct Q8B {
+  using Aux = int32_t;
+  static constexpr int64_t AUX_PER_BLOCK = 2;
+  static const Aux* aux(const Activations& act) { return act.half_sums.data(); }
+  template <int TT>
+  static void tile(const int8_t* a, const float* s, const Aux* hs, int64_t k, const uint8_t* w, const void* scales,
+                   float* out) {
+    q8b_tile<TT, SUBS>(a, s, hs, k, w, static_cast<const float*>(scales), out);
   }
 };
 struct Q8 {
   using Aux = int32_t;
+  static constexpr int64_t AUX_PER_BLOCK = 1;
   static const Aux* aux(const Activations& act) { return act.sums.data(); }
   template <int TT>
   static void tile(const int8_t* a, const float* s, const Aux* sums, int64_t k, const uint8_t* w, const void* scales,
@@ -332,7 +390,7 @@ void run(const Activations& act, int64_t tokens, int64_t k, const uint8_t* packe
       const int64_t rows = std::min<int64_t>(GROUP, n - g * GROUP);
       for (int64_t t = 0; t < tokens; t += TOKEN_TILE) {
         const int64_t tt = std::min<int64_t>(TOKEN_TILE, tokens - t);
-        tile_of<Kind>(tt, act.codes.data() + t * k, act.scales.data() + t * blocks, aux + t * blocks, k,
+        tile_of<Kind>(tt, act.codes.data() + t * k, act.scales.data() + t * blocks, aux + t * blocks * Kind::AUX_PER_BLOCK, k,
                       packed + g * group_bytes, scales + g * scale_bytes, buf);
         for (int64_t i = 0; i < tt; ++i)
           store_group(buf + i * GROUP, bias == nullptr ? nullptr : bias + g * GROUP, out + (t + i) * n + g * GROUP,
@@ -393,14 +451,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   return out.view(out_shape);
 }
 
-// packed [groups, K/2 * 16] uint8, dm [groups, K/32 * 32] float16 (per block 16 d, 16 m)
+// packed [groups, K/2 * 16] uint8, dm [groups, K/32 * 32] float16 or float32 (per block 16 d, 16 m)
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm, int64_t n,
                      const c10::optional<at::Tensor>& bias) {
   check_input(x, "q4_linear");
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.numel() == packed.size(0) * x.size(-1) / BLOCK * 2 * GROUP,
-              "q4_linear: dm must hold float16 d and m per group and block, got ", dm.scalar_type(), " of shape ",
-              dm.sizes(), " for packed weights of shape ", packed.sizes());
-  return linear<Q4>(x, packed, dm, n, bias, 1, "q4_linear");
+  TORCH_CHECK((dm.scalar_type() == at::kHalf || dm.scalar_type() == at::kFloat) &&
+                  dm.numel() == packed.size(0) * x.size(-1) / BLOCK * 2 * GROUP,
+              "q4_linear: dm must hold float16 or float32 d and m per group and block, got ", dm.scalar_type(),
+              " of shape ", dm.sizes(), " for packed weights of shape ", packed.sizes());
+  if (dm.scalar_type() == at::kFloat) return linear<Q4<float>>(x, packed, dm, n, bias, 1, "q4_linear");
+  return linear<Q4<at::Half>>(x, packed, dm, n, bias, 1, "q4_linear");
+}
+
+// packed [groups, K * 16] uint8 (codes + 128), scales [groups, K/32 * subs * 16] float32 (subs 1 or 2)
+at::Tensor q8b_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
+                      const c10::optional<at::Tensor>& bias) {
+  check_input(x, "q8b_linear");
+  const int64_t per_sub = packed.size(0) * x.size(-1) / BLOCK * GROUP;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && (scales.numel() == per_sub || scales.numel() == 2 * per_sub),
+              "q8b_linear: scales must hold one or two float32 scales per row and block, got ", scales.scalar_type(),
+              " of shape ", scales.sizes(), " for packed weights of shape ", packed.sizes());
+  if (scales.numel() == per_sub) return linear<Q8B<1>>(x, packed, scales, n, bias, 2, "q8b_linear");
+  return linear<Q8B<2>>(x, packed, scales, n, bias, 2, "q8b_linear");
 }
 
 // packed [groups, K * 16] uint8 (codes + 128), scale [groups * 16] float32
@@ -418,12 +490,14 @@ TORCH_LIBRARY_FRAGMENT(specdec_cpu, m) {
   m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q4_linear(Tensor x, Tensor packed, Tensor dm, int n, Tensor? bias) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias) -> Tensor");
+  m.def("q8b_linear(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("quantize_q8", &quantize_q8);
   m.impl("q4_linear", &q4_linear);
   m.impl("q8_linear", &q8_linear);
+  m.impl("q8b_linear", &q8b_linear);
 }
 
 #endif  // AVX2 and F16C: elsewhere the operators are not defined and the torch path serves

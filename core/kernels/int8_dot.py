@@ -12,8 +12,10 @@ nearly a decode's time for every extra row of a verification step; integer dot p
 over 8-bit activations keep the extra rows nearly free, as in llama.cpp.
 
 Weights are stored in groups of :data:`GROUP` output rows laid out for the kernel
-(:func:`pack_q4`, :func:`pack_q8`); 4-bit blocks carry a float16 scale ``d`` and minimum
-``m`` (``w = q * d + m``, GGUF's Q4_1; Q4_0 is ``m = -8 d``), 8-bit rows one float32 scale.
+(:func:`pack_q4`, :func:`pack_q8`, :func:`pack_q8b`); 4-bit blocks carry a scale ``d`` and
+minimum ``m`` (``w = q * d + m``, GGUF's Q4_1; Q4_0 is ``m = -8 d``), float16 as in those
+files or float32 (Q4_K's sub-block products); 8-bit rows one float32 scale, or 8-bit blocks
+a float32 scale per 32 or per 16 columns (GGUF's Q5_0 and Q8_0, and Q6_K, as they are).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def kernel_available() -> bool:
     them at the first call and tells torch.compile their output shapes."""
     if not (cpu.kernel_available() and hasattr(torch.ops.specdec_cpu, "q4_linear")):
         return False
-    for name in ("q4_linear", "q8_linear"):
+    for name in ("q4_linear", "q8_linear", "q8b_linear"):
         torch.library.register_fake(f"specdec_cpu::{name}", _output_like)
     return True
 
@@ -62,18 +64,20 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``codes`` ``[N, K]`` in 0..15, ``d`` and ``m`` ``[N, K / 32]`` (rounded to float16)
-    -> the kernel's ``(packed [N/16, 8K] uint8, dm [N/16, K/32 * 32] float16)``: per group
-    and block, four 64-byte chunks whose byte ``4r + i`` holds row ``r``'s codes of columns
-    ``8c + i`` (low nibble) and ``8c + 4 + i`` (high nibble); then the block's 16 ``d`` and 16 ``m``."""
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+            scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``codes`` ``[N, K]`` in 0..15, ``d`` and ``m`` ``[N, K / 32]`` (rounded to ``scale_dtype``,
+    float16 or float32) -> the kernel's ``(packed [N/16, 8K] uint8, dm [N/16, K/32 * 32])``:
+    per group and block, four 64-byte chunks whose byte ``4r + i`` holds row ``r``'s codes of
+    columns ``8c + i`` (low nibble) and ``8c + 4 + i`` (high nibble); then the block's 16
+    ``d`` and 16 ``m``."""
     n, k = codes.shape
     groups, blocks = _groups(n), k // BLOCK
     q = _padded(codes.to(torch.uint8), groups * GROUP).view(groups, GROUP, blocks, 4, 2, 4)
     q = q.permute(0, 2, 3, 1, 5, 4)  # group, block, chunk, row, i, nibble
     packed = (q[..., 0] | (q[..., 1] << 4)).reshape(groups, -1).contiguous()
-    dm = torch.stack([_padded(d.half(), groups * GROUP).view(groups, GROUP, blocks),
-                      _padded(m.half(), groups * GROUP).view(groups, GROUP, blocks)], 1)
+    dm = torch.stack([_padded(d.to(scale_dtype), groups * GROUP).view(groups, GROUP, blocks),
+                      _padded(m.to(scale_dtype), groups * GROUP).view(groups, GROUP, blocks)], 1)
     return packed, dm.permute(0, 3, 1, 2).reshape(groups, -1).contiguous()
 
 
@@ -88,8 +92,29 @@ def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     return packed, _padded(scale.float(), groups * GROUP).contiguous()
 
 
+def pack_q8b(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``codes`` ``[N, K]`` int8, ``scales`` ``[N, K/32]`` or ``[N, K/16]`` (one scale per
+    32 or per 16 columns) -> the kernel's ``(packed, scales [N/16, K/32 * subs * 16]
+    float32)``: :func:`pack_q8`'s codes, then per group and block the ``subs`` runs of 16
+    rows' scales."""
+    n, k = codes.shape
+    groups, blocks = _groups(n), k // BLOCK
+    subs = scales.shape[1] // blocks
+    packed, _ = pack_q8(codes, torch.ones(n))
+    s = _padded(scales.float(), groups * GROUP).view(groups, GROUP, blocks, subs)
+    return packed, s.permute(0, 2, 3, 1).reshape(groups, -1).contiguous()
+
+
+def unpack_q8b_scales(scales: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The scales of rows ``ids`` (any shape) of :func:`pack_q8b`'s layout: ``[*ids.shape, K/32 * subs]``."""
+    groups, blocks = scales.shape[0], k // BLOCK
+    s = scales.view(groups, blocks, -1, GROUP)
+    flat = ids.reshape(-1)
+    return s[flat // GROUP, :, :, flat % GROUP].reshape(*ids.shape, -1)
+
+
 def unpack_q4(packed: torch.Tensor, dm: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`pack_q4`'s inverse: ``(codes [n, K] uint8, d [n, K/32], m [n, K/32] float16)``."""
+    """:func:`pack_q4`'s inverse: ``(codes [n, K] uint8, d [n, K/32], m [n, K/32])`` in ``dm``'s dtype."""
     groups = packed.shape[0]
     blocks = packed.shape[1] // (GROUP * BLOCK // 2)
     q = packed.view(groups, blocks, 4, GROUP, 4)
@@ -111,6 +136,12 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor, n: int,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` for packed 4-bit ``w`` ``[n, K]``, in ``x``'s dtype."""
     return torch.ops.specdec_cpu.q4_linear(x, packed, dm, n, bias)
+
+
+def q8b_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for 8-bit ``w`` ``[n, K]`` packed with block scales, in ``x``'s dtype."""
+    return torch.ops.specdec_cpu.q8b_linear(x, packed, scales, n, bias)
 
 
 def q8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int,
@@ -141,13 +172,14 @@ def _block_dots(codes: torch.Tensor, weight_codes: torch.Tensor) -> torch.Tensor
     return (a * w).sum(-1)
 
 
-def q4_linear_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def q4_linear_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                        scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """What :func:`q4_linear` computes, float32 ``[T, N]``, for ``w = codes * d + m`` with
-    ``d``, ``m`` rounded to float16: ``y = y + float(dot) * (d * s)``, then ``y = y + m * (s *
-    sum(a))``, block by block."""
+    ``d``, ``m`` rounded to ``scale_dtype``: ``y = y + float(dot) * (d * s)``, then ``y = y +
+    m * (s * sum(a))``, block by block."""
     a, s, sums = quantize_q8_reference(x)
     dots = _block_dots(a, codes).float()
-    d, m = d.half().float(), m.half().float()
+    d, m = d.to(scale_dtype).float(), m.to(scale_dtype).float()
     sa = s * sums.float()
     y = torch.zeros(x.shape[0], codes.shape[0])
     for b in range(s.shape[1]):
@@ -165,3 +197,18 @@ def q8_linear_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
     for b in range(s.shape[1]):
         y = y + dots[:, :, b] * s[:, b, None]
     return y * scale.float()[None]
+
+
+def q8b_linear_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What :func:`q8b_linear` computes, float32 ``[T, N]``, for ``w = codes * d`` with one
+    scale ``d`` per 32 or per 16 columns (``scales`` ``[N, K/32]`` or ``[N, K/16]``):
+    ``y = y + float(dot) * (d * s)``, scale by scale."""
+    a, s, _ = quantize_q8_reference(x)
+    (t, k), n = a.shape, codes.shape[0]
+    width = k // scales.shape[1]
+    dots = (a.double().view(t, 1, -1, width) * codes.double().view(1, n, -1, width)).sum(-1).float()
+    d = scales.float()
+    y = torch.zeros(t, n)
+    for u in range(scales.shape[1]):
+        y = y + dots[:, :, u] * (d[None, :, u] * s[:, u * width // BLOCK, None])
+    return y

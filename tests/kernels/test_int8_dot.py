@@ -39,6 +39,15 @@ def _case(n: int, k: int, t: int, seed: int = 0):
     return x, codes, d, m, w8, scale
 
 
+def _block_scales(n: int, k: int, width: int, seed: int = 0) -> torch.Tensor:
+    """Scales of ``width``-column blocks as GGUF's K-quants make them: a float16 super-block
+    scale times a small integer, which float16 cannot always hold."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 256 if k % 256 == 0 else 1, generator=g) * 0.01).half().float()
+    sub = torch.randint(-63, 64, (n, k // width), generator=g).float()
+    return d.repeat_interleave(k // width // d.shape[1], 1) * sub
+
+
 @pytest.mark.parametrize("n, k, t", SHAPES)
 def test_kernels_equal_their_reference_bit_for_bit(n, k, t):
     x, codes, d, m, w8, scale = _case(n, k, t)
@@ -64,6 +73,27 @@ def test_kernels_equal_their_reference_bit_for_bit(n, k, t):
     assert (int8_dot.q4_linear(x, packed, dm, n) - exact).abs().max() <= 0.02 * exact.abs().max()
 
 
+@pytest.mark.parametrize("n, k, t", SHAPES)
+def test_block_scaled_kernels_equal_their_reference_bit_for_bit(n, k, t):
+    """GGUF's other blocks as they are: 8-bit codes with a float32 scale per 32 columns
+    (Q5_0, Q8_0) or per 16 (Q6_K), and 4-bit codes with float32 scales and minimums (Q4_K)."""
+    x, codes, d, m, w8, _ = _case(n, k, t)
+    for width in (32, 16):
+        scales = _block_scales(n, k, width)
+        packed, packed_scales = int8_dot.pack_q8b(w8, scales)
+        want = int8_dot.q8b_linear_reference(x, w8, scales)
+        assert torch.equal(int8_dot.q8b_linear(x, packed, packed_scales, n), want), width
+        assert torch.equal(int8_dot.q8b_linear(x.bfloat16(), packed, packed_scales, n),
+                           int8_dot.q8b_linear_reference(x.bfloat16(), w8, scales).bfloat16())
+        exact = x @ (w8.float() * scales.repeat_interleave(width, 1)).T
+        assert (want - exact).abs().max() <= 0.02 * exact.abs().max()
+    d32, m32 = _block_scales(n, k, 32, seed=1).abs(), -_block_scales(n, k, 32, seed=2).abs()
+    assert not torch.equal(d32.half().float(), d32)  # float16 would round these
+    packed, dm = int8_dot.pack_q4(codes, d32, m32, torch.float32)
+    assert torch.equal(int8_dot.q4_linear(x, packed, dm, n),
+                       int8_dot.q4_linear_reference(x, codes, d32, m32, torch.float32))
+
+
 def test_layout_round_trips():
     x, codes, d, m, w8, scale = _case(40, 96, 1)
     packed, dm = int8_dot.pack_q4(codes, d, m)
@@ -72,6 +102,11 @@ def test_layout_round_trips():
     packed8, _ = int8_dot.pack_q8(w8, scale)
     ids = torch.tensor([[0, 17, 39], [5, 5, 16]])
     assert torch.equal(int8_dot.unpack_q8_rows(packed8, ids), w8[ids])
+    for width in (32, 16):
+        scales = _block_scales(40, 96, width)
+        packed8, packed_scales = int8_dot.pack_q8b(w8, scales)
+        assert torch.equal(int8_dot.unpack_q8_rows(packed8, ids), w8[ids])
+        assert torch.equal(int8_dot.unpack_q8b_scales(packed_scales, ids, 96), scales[ids])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,7 +145,7 @@ def test_the_avx2_build_computes_the_same_bits(tmp_path):
         load(name="specdec_int8_dot_avx2", sources=[sys.argv[1]], build_directory=sys.argv[2],
              extra_cflags=["-O2", "-march=haswell"], is_python_module=False)
         sys.path.insert(0, sys.argv[3])
-        from test_int8_dot import SHAPES, _case
+        from test_int8_dot import SHAPES, _block_scales, _case
         from specdec.kernels import int8_dot
         for n, k, t in SHAPES:
             x, codes, d, m, w8, scale = _case(n, k, t)
@@ -121,6 +156,15 @@ def test_the_avx2_build_computes_the_same_bits(tmp_path):
             packed8, scale8 = int8_dot.pack_q8(w8, scale)
             assert torch.equal(torch.ops.specdec_cpu.q8_linear(x, packed8, scale8, n, None),
                                int8_dot.q8_linear_reference(x, w8, scale)), (n, k, t)
+            for width in (32, 16):
+                scales = _block_scales(n, k, width)
+                packed8, packed_scales = int8_dot.pack_q8b(w8, scales)
+                assert torch.equal(torch.ops.specdec_cpu.q8b_linear(x, packed8, packed_scales, n, None),
+                                   int8_dot.q8b_linear_reference(x, w8, scales)), (n, k, t, width)
+            d32, m32 = _block_scales(n, k, 32, seed=1).abs(), -_block_scales(n, k, 32, seed=2).abs()
+            packed, dm = int8_dot.pack_q4(codes, d32, m32, torch.float32)
+            assert torch.equal(torch.ops.specdec_cpu.q4_linear(x, packed, dm, n, None),
+                               int8_dot.q4_linear_reference(x, codes, d32, m32, torch.float32)), (n, k, t)
         print("same bits")
     """)
     source = Path(int8_dot.__file__).with_suffix(".cpp")
