@@ -144,18 +144,51 @@ class W8A8Linear(PackedLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row, 8-bit activations"
 
 
+class W8A8BlockLinear(PackedLinear):
+    """``w = q * scale`` with int8 codes and a float32 scale per 32 or per 16 input columns
+    (GGUF's Q5_0, Q8_0 and Q6_K blocks as they are), on the integer-dot kernel."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        """``codes`` ``[out, in]`` int8; ``scales`` ``[out, in / 32]`` or ``[out, in / 16]``."""
+        int8_dot.require_kernel()
+        super().__init__(*codes.shape, bias, dtype)
+        self.width = codes.shape[1] // scales.shape[1]
+        packed, scales = int8_dot.pack_q8b(codes, scales)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows ``ids`` (an embedding's lookup of a tied head)."""
+        scales = int8_dot.unpack_q8b_scales(self.scales, ids, self.in_features)
+        codes = int8_dot.unpack_q8_rows(self.packed, ids).float()
+        return (codes * scales.repeat_interleave(self.width, -1)).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_dot.q8b_linear(x if x.dtype == self.dtype else x.to(self.dtype), self.packed, self.scales,
+                                   self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 blocks of {self.width}, "
+                f"8-bit activations")
+
+
 class W4A8Linear(PackedLinear):
     """``w = q * scale + minimum`` per group of :data:`GROUP_SIZE` input columns (scale and
-    minimum float16), on the integer-dot kernel: ``x`` quantized to 8 bits per token and block."""
+    minimum float16 as GGUF's Q4_0 / Q4_1 hold them, or float32 for Q4_K's sub-block
+    products), on the integer-dot kernel: ``x`` quantized to 8 bits per token and block."""
 
     four_bit = True
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                 bias: torch.Tensor | None, dtype: torch.dtype):
+                 bias: torch.Tensor | None, dtype: torch.dtype, scale_dtype: torch.dtype = torch.float16):
         """``codes`` ``[out, in]`` integers 0..15; ``scale``, ``minimum`` ``[out, in / 32]``."""
         int8_dot.require_kernel()
         super().__init__(*codes.shape, bias, dtype)
-        packed, dm = int8_dot.pack_q4(codes, scale, minimum)
+        packed, dm = int8_dot.pack_q4(codes, scale, minimum, scale_dtype)
         self.register_buffer("packed", packed)
         self.register_buffer("dm", dm)
 
@@ -175,40 +208,50 @@ class W4A8Linear(PackedLinear):
                 f"8-bit activations")
 
 
-class Int8Embedding(nn.Module):
-    """An embedding table stored as int8 rows with one scale each; looked-up rows are widened."""
+def _scaled(rows: torch.Tensor, embed_scale: torch.Tensor | None) -> torch.Tensor:
+    """Looked-up rows times the model's embedding scale (Gemma's ``sqrt(hidden)``), in the
+    rows' dtype as transformers' scaled embedding multiplies them."""
+    return rows if embed_scale is None else rows * embed_scale.to(rows.dtype)
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, padding_idx: int | None = None):
+
+class Int8Embedding(nn.Module):
+    """An embedding table stored as int8 rows with one scale each; looked-up rows are widened
+    (and multiplied by ``embed_scale``, where the model scales its embeddings)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, padding_idx: int | None = None,
+                 embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = codes.shape
         self.padding_idx = padding_idx
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.to(dtype))
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.codes.to(self.scale.dtype) * self.scale[:, None]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.codes[ids].to(self.scale.dtype) * self.scale[ids][..., None]
+        return _scaled(self.codes[ids].to(self.scale.dtype) * self.scale[ids][..., None], self.embed_scale)
 
 
 class HeadRowsEmbedding(nn.Module):
     """The embedding of a tied int8 head stored for the integer-dot kernel: looked-up rows
     are read from the head's packed codes and widened, as :class:`Int8Embedding` widens its own."""
 
-    def __init__(self, head: W8A8Linear, padding_idx: int | None = None):
+    def __init__(self, head: W8A8Linear, padding_idx: int | None = None, embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.padding_idx = padding_idx
         self.head = [head]  # not a submodule: the head is the model's, its buffers counted there
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.head[0].weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head[0].rows(ids)
+        return _scaled(self.head[0].rows(ids), self.embed_scale)
 
 
 def quantize_rows_int8(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,18 +368,21 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict
         counts["int4" if new.four_bit else "int8"] += 1
         _set_module(model, name, new)
     new_head = model.get_output_embeddings()
-    if tied and isinstance(new_head, W8A8Linear) and (file_embedding is not None or type(embed) is nn.Embedding):
-        model.set_input_embeddings(HeadRowsEmbedding(new_head, embed.padding_idx))
+    plain = _is_plain_embedding(embed)
+    embed_scale = _embed_scale(embed) if plain else None
+    if tied and isinstance(new_head, W8A8Linear) and (file_embedding is not None or plain):
+        model.set_input_embeddings(HeadRowsEmbedding(new_head, embed.padding_idx, embed_scale))
         counts["embedding"] = 1
     elif file_embedding is not None:
+        file_embedding.embed_scale = embed_scale
         model.set_input_embeddings(file_embedding)
         counts["embedding"] = 1
-    elif type(embed) is nn.Embedding:
+    elif plain:
         if tied and isinstance(new_head, Int8Linear):
             codes, scale = new_head.codes, new_head.scale
         else:
             codes, scale = quantize_rows_int8(read(embed.weight))
-        model.set_input_embeddings(Int8Embedding(codes, scale, dtype, embed.padding_idx))
+        model.set_input_embeddings(Int8Embedding(codes, scale, dtype, embed.padding_idx, embed_scale))
         counts["embedding"] = 1
     elif embed is not None:
         log.info("quantization: %s kept in %s (not a plain nn.Embedding)", type(embed).__name__, dtype)
@@ -349,6 +395,19 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict
     log.info("quantization %s: %d int4 and %d int8 linear layers (%d from the file's own blocks), "
              "%d embedding int8", mode, counts["int4"], counts["int8"], counts["from_file"], counts["embedding"])
     return counts
+
+
+def _is_plain_embedding(embed: nn.Module | None) -> bool:
+    """Whether ``embed`` looks rows up as ``nn.Embedding`` does, times at most a constant
+    ``embed_scale`` (Gemma's scaled embedding): what an int8 table reproduces."""
+    return embed is not None and (type(embed) is nn.Embedding or (
+        isinstance(embed, nn.Embedding) and type(embed).__name__.endswith("ScaledWordEmbedding")
+        and hasattr(embed, "embed_scale")))
+
+
+def _embed_scale(embed: nn.Embedding) -> torch.Tensor | None:
+    scale = getattr(embed, "embed_scale", None)
+    return None if scale is None else torch.as_tensor(scale, dtype=torch.float32).clone()
 
 
 @torch.no_grad()

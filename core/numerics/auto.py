@@ -20,7 +20,7 @@ import torch
 from ..config import EngineConfig
 from ..errors import ConfigError, FieldError
 from ..kernels import int8_dot, invariant_attention_is_kernel
-from ..model.gguf_blocks import TAKEN_SCHEMES, linear_schemes
+from ..model.gguf_blocks import linear_schemes, taken_schemes
 from ..model.quantization import Int4Linear, Int8Linear, PackedLinear, layer_classes
 from ..model.target import TargetModel
 from .invariant import mode_costs_nothing
@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 def resolve_quantization(mode: str | None, dtype: str, device: torch.device, gguf: Path | None,
                          tensor_parallel_size: int = 1) -> str | None:
     """``engine.quantization`` as the target is loaded. ``auto`` is ``w4a8`` for a GGUF target
-    whose linear layers are all blocks the 4-bit layers take as they are (Q4_0, Q4_1), on a
-    CPU where the integer-dot kernels are built, with ``dtype`` left at ``auto``: the file's
+    whose linear layers are all blocks the integer-dot layers take as they are (Q4_0, Q4_1,
+    Q4_K, Q5_0, Q8_0, Q6_K), on a CPU where those kernels are built, with ``dtype`` left at ``auto``: the file's
     own weights, run as llama.cpp runs them. Anything else loads unquantized (a quantized file
     dequantized, with a log line naming its scheme). A 4-bit mode asked for by name on a GGUF file
     of other schemes is an error naming them: its weights would be rounded twice. A
@@ -42,20 +42,21 @@ def resolve_quantization(mode: str | None, dtype: str, device: torch.device, ggu
         return None
     if mode != "auto":
         if mode is not None and layer_classes(mode)[0] is not None and gguf is not None:
-            others = linear_schemes(gguf) - set(TAKEN_SCHEMES)
+            taken = taken_schemes(mode)
+            others = linear_schemes(gguf) - set(taken)
             if others:
-                raise ConfigError(f"engine.quantization: {mode} takes a GGUF file's {' or '.join(TAKEN_SCHEMES)} "
+                raise ConfigError(f"engine.quantization: {mode} takes a GGUF file's {', '.join(taken)} "
                                   f"blocks as they are, but {gguf.name} holds {', '.join(sorted(others))} linear "
                                   f"layers; leave quantization at auto (bfloat16 here) or give the model as a "
                                   f"safetensors directory to quantize it from its full-precision weights")
         return mode
     if gguf is None or device.type != "cpu" or dtype != "auto":
         return None
-    schemes = linear_schemes(gguf)
-    if not schemes or not schemes <= set(TAKEN_SCHEMES):
+    schemes, taken = linear_schemes(gguf), taken_schemes("w4a8")
+    if not schemes or not schemes <= set(taken):
         log.info("quantization auto: %s's linear layers are %s, which specdec's kernels do not take as they are "
                  "(they take %s): its weights run dequantized in bfloat16", gguf.name,
-                 ", ".join(sorted(schemes)) or "not a llama file's", ", ".join(TAKEN_SCHEMES))
+                 ", ".join(sorted(schemes)) or "not a llama or Gemma 3 file's", ", ".join(taken))
         return None
     if not int8_dot.kernel_available():
         log.info("quantization auto: the integer-dot kernels are not available here; %s runs dequantized in "

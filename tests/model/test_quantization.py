@@ -316,7 +316,7 @@ def test_auto_leaves_other_gguf_schemes_unquantized_and_refuses_them_by_name(tmp
     with caplog.at_level("INFO", logger="specdec.numerics.auto"):
         assert resolve_quantization("auto", "auto", cpu, path) is None
     assert "linear layers are F16" in caplog.text
-    with pytest.raises(ConfigError, match=r"w4a8 takes a GGUF file's Q4_0 or Q4_1 blocks.*holds F16 linear layers"):
+    with pytest.raises(ConfigError, match=r"w4a8 takes a GGUF file's Q4_0, Q4_1, Q4_K.* blocks.*holds F16 linear"):
         resolve_quantization("w4a8", "auto", cpu, path)
     assert resolve_quantization("w8a8", "auto", cpu, path) == "w8a8"  # int8 rows rounded from the weights
 

