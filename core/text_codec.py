@@ -36,10 +36,15 @@ class TextCodec:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation with the assistant's turn opened. A message's content may
         be a string or OpenAI's list of content parts (its text parts joined by newlines, as
-        vLLM does); OpenAI's ``developer`` role is the template's ``system``."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("this model has no chat template; use generate() with a plain prompt")
+        vLLM does); OpenAI's ``developer`` role is the template's ``system``. A model without a
+        chat template (a base model) gets the messages' text as one plain prompt, separated by
+        blank lines: what a user of a base model would type, so that chat, serving and the
+        bench run on it too."""
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: give prompts as lists of token ids")
         messages = [_text_message(i, m) for i, m in enumerate(messages)]
+        if not getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer("\n\n".join(m["content"] for m in messages)).input_ids
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 

@@ -61,7 +61,7 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth():
     assert lr_factor(100, 10, 100) == pytest.approx(0.1) and lr_factor(55, 10, 100) < 1.0
 
 
-def test_prompts_use_the_chat_template_only_where_there_is_one(smol, tmp_path):
+def test_prompts_use_the_chat_template_where_there_is_one_and_plain_text_elsewhere(smol, tmp_path):
     item = {"prompt": "Hello there"}
     assert encode_prompt(smol, item) == smol.apply_chat_template([{"role": "user", "content": "Hello there"}])
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -73,6 +73,10 @@ def test_prompts_use_the_chat_template_only_where_there_is_one(smol, tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(directory)
     base = LLM(model=str(directory))
     assert encode_prompt(base, {"prompt": "w3 w4 w5"}) == [3, 4, 5]
+    # a conversation with a base model: its messages' text as one plain prompt
+    turns = [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5"},
+             {"role": "user", "content": [{"type": "text", "text": "w6"}]}]
+    assert base.apply_chat_template(turns) == [3, 4, 5, 6]
 
 
 def test_feature_store_matches_the_target_resumes_grows_and_serves_fewer_layers(tiny_models, tmp_path):

@@ -75,6 +75,8 @@ def _serve(conn, gguf: str, n_ctx: int, threads: int, max_tokens: int, eos: list
             started = time.perf_counter()
             outputs = systems[system](prompts)
             conn.send(("done", (time.perf_counter() - started, outputs)))
+    except EOFError:  # the bench ended without a goodbye: nobody to answer
+        return
     except Exception as exc:  # noqa: BLE001 - reported to the bench, which names it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
 

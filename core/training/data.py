@@ -146,12 +146,9 @@ def split_eval(items: list[dict], num_eval: int) -> tuple[list[dict], list[dict]
 
 def encode_prompt(llm, item: dict) -> list[int]:
     """A prompt item's tokens: through the chat template when the model has one (a base
-    model without one reads a ``prompt`` as it is)."""
-    if "messages" in item:
-        return llm.apply_chat_template(item["messages"])
-    if getattr(llm.tokenizer, "chat_template", None):
-        return llm.apply_chat_template([{"role": "user", "content": item["prompt"]}])
-    return llm.encode(item["prompt"])
+    model without one reads a ``prompt`` as it is, :meth:`specdec.LLM.apply_chat_template`)."""
+    return llm.apply_chat_template(item["messages"] if "messages" in item
+                                   else [{"role": "user", "content": item["prompt"]}])
 
 
 def distill(llm, items: list[dict], cache: Path, max_new_tokens: int, chunk: int = 64,
