@@ -290,7 +290,7 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     masked to the tokens the grammar allows after each earlier output. The drafter drafts
     every step unless ``options`` say ``adaptive: true`` (see :func:`check_greedy_lossless`).
     With ``engine`` options that quantize the target, the exact distribution is the
-    quantized model's. Returns the
+    quantized model's (a GGUF ``model``'s own blocks). Returns the
     p-value and the number of accepted draft tokens (a test should check drafts were
     accepted at all).
     """
@@ -298,17 +298,18 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     from transformers import AutoModelForCausalLM
 
     from .api import LLM
-    from .model.loading import quantize_target
+    from .model.loading import gguf_file, quantize_target, resolve_model_dir
     from .sampler import probs_from_logits, shape_logits
     from .sampler.grammar import apply_masks
 
     params = params or SamplingParams(temperature=1.0, top_k=5)
     params = attrs.evolve(params, max_tokens=position + 2, ignore_eos=params.structured_outputs is None)
     mode = (engine or {}).get("quantization")
-    if mode:
-        ref = quantize_target(Path(model), mode, torch.float32, torch.device("cpu"))
+    path = resolve_model_dir(str(model))
+    if mode:  # a GGUF file's own blocks where it has them, as the engine loads it
+        ref = quantize_target(path, mode, torch.float32, torch.device("cpu"), gguf_file(str(model)))
     else:
-        ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     # the n seeded requests run as one batch: each has its own generator, so batching them
     # changes no request's distribution, and the batched step is the one serving runs

@@ -4,11 +4,13 @@ Runs the input-grounded built-in prompts (summarize a text, edit given code, ans
 a given text) through plain decoding and through prompt lookup (ngram), checks that the
 greedy outputs are identical, and prints the tokens/s of both and the speedup.
 
-    .venv/bin/python scripts/demo.py [--dtype auto] [--quantization auto] [--max-tokens 192] [--threads 2]
-                                     [--batch-invariant auto|true|false] [--compile auto|true|false]
+    .venv/bin/python scripts/demo.py [--model PATH] [--dtype auto] [--quantization auto] [--max-tokens 192]
+                                     [--threads 2] [--batch-invariant auto|true|false] [--compile auto|true|false]
 
-By default the target is what a CPU user gets without asking: the embedded GGUF's own 4-bit
-blocks on the integer-dot kernels (``quantization: auto``), the forward compiled
+``--model`` takes a GGUF file or a model directory (default: the embedded model); a model
+without a chat template reads each prompt as plain text. By default the target is what a
+CPU user gets without asking: the GGUF's own blocks on the integer-dot kernels
+(``quantization: auto``), the forward compiled
 (``compile: auto``; the first run on a machine compiles for about two minutes, a progress
 bar shows it); ``--quantization none`` runs the dequantized bfloat16 weights,
 ``--compile false`` the eager forward.
@@ -46,7 +48,7 @@ def rounding_shift(reference: dict, ids: list[int], top2: torch.Tensor) -> float
     return abs(float((logits["model"][0] - logits["model"][1]) - (logits["float32"][0] - logits["float32"][1])))
 
 
-def compare(base, fast, dtype: str, reference: dict) -> str:
+def compare(base, fast, dtype: str, reference: dict, model: str | None = None) -> str:
     """'identical', or where the outputs part and whether the target's top two logits
     there are a near-tie (checked with the stock transformers model, not assumed)."""
     i = first_divergence(base.token_ids, fast.token_ids)
@@ -57,7 +59,7 @@ def compare(base, fast, dtype: str, reference: dict) -> str:
 
         from specdec.model.loading import resolve_model_dir
 
-        reference["model"] = AutoModelForCausalLM.from_pretrained(resolve_model_dir(None), dtype=getattr(torch, dtype))
+        reference["model"] = AutoModelForCausalLM.from_pretrained(resolve_model_dir(model), dtype=getattr(torch, dtype))
     ids = base.prompt_token_ids + base.token_ids[:i]
     tie, gap = near_tie_at(reference["model"], base.prompt_token_ids, base.token_ids, i, TIE_TOLERANCE[dtype])
     shift = ""
@@ -77,6 +79,7 @@ def timed(llm: LLM, conversation, params: SamplingParams):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a .gguf file or model directory (default: the embedded model)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     parser.add_argument("--max-tokens", type=int, default=192)
@@ -92,11 +95,11 @@ def main() -> None:
     choice = {"true": True, "false": False}
     engine = {"batch_invariant": choice.get(args.batch_invariant, "auto"), "compile": choice.get(args.compile, "auto"),
               "quantization": args.quantization}
-    plain = LLM(dtype=args.dtype, engine=engine)
+    plain = LLM(model=args.model, dtype=args.dtype, engine=engine)
     ngram = {"decoding_type": "ngram"}
     if args.max_draft_len:
         ngram["max_draft_len"] = args.max_draft_len
-    spec = LLM(dtype=args.dtype, speculative_config=ngram, engine=engine)
+    spec = LLM(model=args.model, dtype=args.dtype, speculative_config=ngram, engine=engine)
     warm = SamplingParams(max_tokens=8, temperature=0.0)
     plain.chat(messages("chat")[0], warm)
     spec.chat(messages("chat")[0], warm)
@@ -111,7 +114,7 @@ def main() -> None:
             totals["plain"][1] += t_base
             totals["ngram"][0] += len(fast.token_ids)
             totals["ngram"][1] += t_fast
-            same = compare(base, fast, "float32" if args.dtype == "float32" else "bfloat16", reference)
+            same = compare(base, fast, "float32" if args.dtype == "float32" else "bfloat16", reference, args.model)
             m = fast.metrics
             print(f"=== {category} ===\n{fast.text.strip()}\n")
             print(f"plain: {len(base.token_ids) / t_base:6.1f} tok/s   ngram: {len(fast.token_ids) / t_fast:6.1f} tok/s"

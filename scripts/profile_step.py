@@ -1,7 +1,8 @@
 """Where a target step's time goes: a decode step (1 new token) and a 16-token verification
 step (a chain of 16 new tokens), each after a context of ``--context`` tokens, batch 1.
 
-    .venv/bin/python scripts/profile_step.py [--dtype bfloat16] [--quantization int4] [--compile] [--threads 2]
+    .venv/bin/python scripts/profile_step.py [--model PATH] [--dtype bfloat16] [--quantization int4] [--compile]
+                                             [--threads 2]
 
 Prints the wall time per step (median of ``--steps`` forwards through specdec's model
 runner and paged KV cache, the engine's own path), the bytes of weights one forward
@@ -11,7 +12,9 @@ kernels), attention, other tensor operations (with ``--compile``: the compiled g
 fused kernels too), and what is left: Python and dispatch between the operations.
 ``--curve 1 2 4 8 16`` instead times steps of those token counts, interleaved round by
 round: the shape of the step cost the adaptive planner fits (with ``--compile``, the jump
-from the one-token graph to the dynamic one). A shape may be a batch, one width per
+from the one-token graph to the dynamic one), and the LM head's share of each (the head
+alone on as many rows, timed in the same rounds: on a large vocabulary it, not the layers,
+sets what a verified token costs). A shape may be a batch, one width per
 sequence: ``--curve 1,1,1,1,1,1,1,1 2,1,1,1,1,1,1,1 2,2,2,2,2,2,2,2`` times eight decoding
 sequences, then one and all of them verifying a draft token; ``t16`` is a tree of 16
 tokens (the root and 15 children of it: each node's own row in the batch-invariant
@@ -92,20 +95,30 @@ def time_step(run, steps: int) -> float:
     return statistics.median(times)
 
 
-def time_curve(llms: dict[bool, LLM], context: int, shapes: list[str], rounds: int) -> dict[tuple[str, bool], float]:
+def time_curve(llms: dict[bool, LLM], context: int, shapes: list[str], rounds: int) -> dict[tuple, float]:
     """Median seconds of a step of each shape (``16``: one sequence of 16 new tokens;
     ``2,1,1,1``: four sequences, the first verifying two tokens) under each numerics mode of
-    ``llms`` (batch-invariant or not), interleaved in every round."""
+    ``llms`` (batch-invariant or not), and of the LM head alone on its rows (key ``(shape,
+    "head")``), interleaved in every round."""
     runs = {(n, invariant): step_runner(llm, context, [int(w.lstrip("t")) for w in n.split(",")],
                                         batch_invariant=invariant, trees=[w.startswith("t") for w in n.split(",")])
             for n in shapes for invariant, llm in llms.items()}
-    times: dict[tuple[str, bool], list[float]] = {key: [] for key in runs}
+    runs.update({(n, "head"): head_runner(next(iter(llms.values())), n) for n in shapes})
+    times: dict[tuple, list[float]] = {key: [] for key in runs}
     for _ in range(rounds + 1):  # the first round warms up
         for key, run in runs.items():
             started = time.perf_counter()
             run()
             times[key].append(time.perf_counter() - started)
     return {key: statistics.median(t[1:]) for key, t in times.items()}
+
+
+def head_runner(llm: LLM, shape: str):
+    """A function running the target's LM head alone on as many rows as ``shape`` has new tokens."""
+    head = llm.target.model.get_output_embeddings()
+    rows = sum(int(w.lstrip("t")) for w in shape.split(","))
+    hidden = torch.randn(rows, head.in_features, generator=torch.Generator().manual_seed(0)).to(llm.target.dtype)
+    return lambda: head(hidden)
 
 
 def profile_split(run, top: int = 0) -> dict[str, float]:
@@ -133,6 +146,7 @@ def profile_split(run, top: int = 0) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a .gguf file or model directory (default: the embedded model)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", choices=QUANTIZATIONS)
     p.add_argument("--threads", type=int, default=2)
@@ -155,9 +169,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     modes = [True, False] if args.against_stock else [args.batch_invariant]
-    llms = {invariant: LLM(dtype=args.dtype, engine={"quantization": args.quantization, "kv_cache_blocks": 1,
-                                                     "prepack_weights": not args.no_prepack,
-                                                     "batch_invariant": invariant, "compile": args.compile})
+    llms = {invariant: LLM(model=args.model, dtype=args.dtype,
+                           engine={"quantization": args.quantization, "kv_cache_blocks": 1,
+                                   "prepack_weights": not args.no_prepack, "batch_invariant": invariant,
+                                   "compile": args.compile})
             for invariant in modes}
     llm = llms[args.batch_invariant]
     built = time.perf_counter() - started
@@ -176,6 +191,9 @@ def main() -> None:
         curve = time_curve(llms, args.context, args.curve, args.steps)
         print("tokens per step -> ms: " + ", ".join(f"{n}: {curve[n, args.batch_invariant] * 1000:.1f}"
                                                     for n in args.curve))
+        print("LM head alone -> ms: " + ", ".join(
+            f"{n}: {curve[n, 'head'] * 1000:.1f} ({curve[n, 'head'] / curve[n, args.batch_invariant]:.0%})"
+            for n in args.curve))
         if len(llms) > 1:
             print("stock numerics -> ms: " + ", ".join(
                 f"{n}: {curve[n, False] * 1000:.1f} (mode {curve[n, True] / curve[n, False]:.2f}x)"
