@@ -337,3 +337,23 @@ def test_cli_quantization_flag_and_yaml(tmp_path):
     assert out.returncode == 2 and "engine.quantization: must be one of 'auto', 'none', 'int8'" in out.stderr
     out = specdec("generate", "--quantization", "int2", "x")
     assert out.returncode == 2 and "invalid choice: 'int2'" in out.stderr
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_scaled_embedding_keeps_its_scale_in_int8(tmp_path, tied):
+    """Gemma multiplies looked-up rows by sqrt(hidden): the int8 table (its own, or a tied
+    head's rows) keeps that factor, so the quantized model reads what the stock one reads,
+    within the rows' int8 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    directory = testing.tiny_model_dir(tmp_path, "gemma3_text")
+    stock = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, tie_word_embeddings=tied)
+    ids = torch.tensor([[1, 5, 17, 99]])
+    want = stock.get_input_embeddings()(ids)
+    from specdec.model.quantization import quantize_model
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, tie_word_embeddings=tied)
+    quantize_model(model, "w8a8", torch.float32)
+    got = model.get_input_embeddings()(ids)
+    assert float(model.get_input_embeddings().embed_scale) == float(stock.get_input_embeddings().embed_scale) == 8.0
+    assert (got - want).abs().max() <= 0.01 * want.abs().max()
