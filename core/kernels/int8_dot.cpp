@@ -322,7 +322,8 @@ inline void q8b_tile(const int8_t* a, const float* s, const int32_t* half_sums, 
 }
 
 // Per kind: the per-token, per-block term its tiles read beside the activation scales
-// (4-bit: s * sum(a), the minimum's factor; 8-bit: the code sums) and the tiles themselves.
+// (4-bit: s * sum(a), the minimum's factor; 8-bit rows: the code sums; 8-bit blocks: the
+// code sums of each 16 columns, AUX_PER_BLOCK to a block) and the tiles themselves.
 template <typename S>
 struct Q4 {
   using Aux = float;
