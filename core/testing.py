@@ -43,7 +43,8 @@ TINY_ARCHITECTURES = {
                    query_pre_attn_scalar=16),
     "gemma3_text": dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                        query_pre_attn_scalar=16),
+                        query_pre_attn_scalar=16,  # sliding layers, then a global one, as Gemma 3 ends
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
     "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
                         n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,

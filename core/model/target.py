@@ -11,6 +11,7 @@ the step built (causal for prompts, tree-shaped for drafts, block-diagonal acros
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Callable
 from typing import NamedTuple
@@ -222,6 +223,17 @@ class TargetParts:
     hidden_size: int
     num_layers: int
     vocab_size: int
+
+    def rope(self, like: torch.Tensor, positions: torch.Tensor, layer: int = -1):
+        """Rotary ``(cos, sin)`` at ``positions`` as decoder layer ``layer`` reads them, or
+        None where the model has no rotary module. Models whose layers differ in kind
+        (Gemma 3: sliding layers rotate with another base) take the layer's type."""
+        if self.rotary_emb is None:
+            return None
+        types = getattr(self.hf_config, "layer_types", None)
+        if types is not None and "layer_type" in inspect.signature(self.rotary_emb.forward).parameters:
+            return self.rotary_emb(like, positions, types[layer])
+        return self.rotary_emb(like, positions)
 
 
 def target_parts(model) -> TargetParts:

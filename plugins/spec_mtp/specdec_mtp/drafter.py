@@ -22,14 +22,14 @@ class MTPDrafter(FeatureDrafter):
         load_module(self.directory, target, module)
         self.module = module.to(device=target.device, dtype=target.dtype).eval()
         self.embed = parts.embed_tokens
-        self.rotary = parts.rotary_emb
+        self.parts = parts
         head = module.shared_head.head if module.shared_head.head is not None else parts.lm_head
         self.head_projection, self.draft_to_target = restricted_head(head, self.directory, target.vocab_size)
         self.start_runner(target.hidden_size, config.draft_kv_cache_blocks)
 
     def draft_forward(self, input_ids, positions, meta, feature):
         emb = self.embed(input_ids)[None]
-        rope = self.rotary(emb, positions[None]) if self.rotary is not None else None
+        rope = self.parts.rope(emb, positions[None])
         return self.module(emb, feature[None], rope, positions[None], specdec=meta)[0]
 
     def head_logits(self, hidden):

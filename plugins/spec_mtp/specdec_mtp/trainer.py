@@ -59,7 +59,7 @@ class MTPTrainer(MethodTrainer):
         return self.mtp
 
     def _step(self, emb, feature, positions, attend):
-        rope = self.parts.rotary_emb(emb, positions[None]) if self.parts.rotary_emb is not None else None
+        rope = self.parts.rope(emb, positions[None])
         return self.mtp(emb, feature, rope, positions[None], unrolled=attend)
 
     def loss(self, batch: TrainBatch):

@@ -1,5 +1,6 @@
 """The MTP module drafts at inference what it learnt in training: built from the target's
-own decoder-layer class (a Llama layer; DeepSeek-V3's MLA attention and MoE block), the
+own decoder-layer class (a Llama layer; DeepSeek-V3's MLA attention and MoE block; Gemma 3's
+layer, whose rotary embedding takes the layer's type), the
 draft runner's committed rows, tree levels and siblings give the same states as
 training's unrolled steps."""
 
@@ -26,17 +27,17 @@ def _modules(tmp_path, arch):
     return parts, trained.eval(), serving.eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "gemma3_text"])
 def test_runner_rows_and_tree_levels_match_training_steps(tmp_path, arch):
     parts, trained, serving = _modules(tmp_path, arch)
 
     def train_step(tokens, feature, positions, attend):
         emb = parts.embed_tokens(tokens)[None]
-        return trained(emb, feature, parts.rotary_emb(emb, positions[None]), positions[None], unrolled=attend)
+        return trained(emb, feature, parts.rope(emb, positions[None]), positions[None], unrolled=attend)
 
     def forward(input_ids, positions, meta, feature):
         emb = parts.embed_tokens(input_ids)[None]
-        return serving(emb, feature[None], parts.rotary_emb(emb, positions[None]), positions[None], specdec=meta)[0]
+        return serving(emb, feature[None], parts.rope(emb, positions[None]), positions[None], specdec=meta)[0]
 
     testing.check_rows_match_unrolled(train_step, forward, parts.hidden_size)
 
