@@ -208,10 +208,16 @@ class W4A8Linear(PackedLinear):
                 f"8-bit activations")
 
 
-def _scaled(rows: torch.Tensor, embed_scale: torch.Tensor | None) -> torch.Tensor:
-    """Looked-up rows times the model's embedding scale (Gemma's ``sqrt(hidden)``), in the
-    rows' dtype as transformers' scaled embedding multiplies them."""
-    return rows if embed_scale is None else rows * embed_scale.to(rows.dtype)
+def _scaled(rows: torch.Tensor, embed_scale: float | None) -> torch.Tensor:
+    """Looked-up rows times the model's embedding scale (Gemma's ``sqrt(hidden)``, already
+    rounded to the rows' dtype as transformers' scaled embedding rounds it: the product is
+    then the same). A number, not a buffer: a drafter sharing the embedding and casting
+    its modules cannot change it, nor a compiled graph that read it."""
+    return rows if embed_scale is None else rows * embed_scale
+
+
+def _rounded(scale: torch.Tensor | None, dtype: torch.dtype) -> float | None:
+    return None if scale is None else float(scale.to(dtype))
 
 
 class Int8Embedding(nn.Module):
@@ -225,7 +231,7 @@ class Int8Embedding(nn.Module):
         self.padding_idx = padding_idx
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.to(dtype))
-        self.register_buffer("embed_scale", embed_scale, persistent=False)
+        self.embed_scale = _rounded(embed_scale, dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -244,7 +250,7 @@ class HeadRowsEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.padding_idx = padding_idx
         self.head = [head]  # not a submodule: the head is the model's, its buffers counted there
-        self.register_buffer("embed_scale", embed_scale, persistent=False)
+        self.embed_scale = _rounded(embed_scale, head.dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -374,7 +380,7 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict
         model.set_input_embeddings(HeadRowsEmbedding(new_head, embed.padding_idx, embed_scale))
         counts["embedding"] = 1
     elif file_embedding is not None:
-        file_embedding.embed_scale = embed_scale
+        file_embedding.embed_scale = _rounded(embed_scale, dtype)
         model.set_input_embeddings(file_embedding)
         counts["embedding"] = 1
     elif plain:

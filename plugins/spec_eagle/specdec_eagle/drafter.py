@@ -25,11 +25,11 @@ class EagleDrafter(FeatureDrafter):
                                       "a head")
         head, self.layers = load_head(directory, self.generation, target, capture)
         parts = target.parts
-        if head.embed_tokens is None:
-            head.embed_tokens = parts.embed_tokens
         if self.generation == 1:
             head.lm_head, head.draft_to_target = restricted_head(parts.lm_head, directory, target.vocab_size)
         self.head = head.to_serving(target.device, target.dtype).eval()
+        if head.embed_tokens is None:  # the target's, shared: never cast with the head's own modules
+            head.embed_tokens = parts.embed_tokens
         self.draft_to_target = head.draft_to_target
         self._scale = head.layer.self_attn.head_dim ** -0.5
         self.start_runner(head.config.hidden_size, config.draft_kv_cache_blocks)
