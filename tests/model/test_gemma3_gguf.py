@@ -71,3 +71,40 @@ def test_sampled_output_follows_the_targets_distribution(gemma_gguf):
     _, accepted = testing.check_sampling_lossless({"decoding_type": "ngram", "max_draft_len": 3}, gemma_gguf,
                                                   prompt, engine={"quantization": None})
     assert accepted > 100
+
+
+@pytest.fixture(scope="module")
+def gemma_drafters(gemma_gguf, tmp_path_factory) -> dict:
+    """EAGLE-3 and MTP drafters trained briefly for Gemma 3 as users serve it (w4a8, its
+    answers to prompts that repeat themselves, so that even a brief drafter's guesses are
+    sometimes right)."""
+    from specdec.training import TrainOptions, train
+
+    root = tmp_path_factory.mktemp("gemma-drafters")
+    data = testing.prompt_file(root, ["one two three four five one two three four five one two",
+                                      "red green blue red green blue red green blue red", *testing.TRAIN_PROMPTS])
+    out = {}
+    for method in ("eagle3", "mtp"):
+        out[method] = root / method
+        train(TrainOptions(method=method, model=gemma_gguf, data=str(data), out=str(out[method]), max_new_tokens=32,
+                           batch_size=8, eval_prompts=1, quantization="w4a8", device="cpu", max_steps=30, lr=2e-3,
+                           warmup_steps=2), progress=False)
+    return out
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_trained_drafters_are_lossless_and_leave_the_shared_target_as_it_was(gemma_gguf, gemma_drafters, method):
+    """A trained drafter on the default target: greedy output equals plain decoding's with
+    drafts accepted, and the plain engine sharing the target answers as before (an EAGLE
+    head once cast the target's embedding, and with it Gemma's scale, under the plain
+    engine's compiled graph)."""
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=gemma_gguf)
+    prompts = _prompts(plain)
+    before = [o.token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(model=gemma_gguf, speculative_config={"decoding_type": method, "adaptive": False,
+                                                     "speculative_model": str(gemma_drafters[method])})
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == before
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    assert [o.token_ids for o in plain.generate(prompts, params)] == before
