@@ -131,13 +131,18 @@ def _q8(n=40, k=96):
     return int8_dot.pack_q8(w8, scale)
 
 
+def _q8b(n=40, k=96, width=16):
+    _, _, _, w8, _ = _weights(n, k, 1)
+    return int8_dot.pack_q8b(w8, torch.rand(n, k // width))
+
+
 INTEGER_DOT_REFUSALS = [
     ("q4_linear", lambda: int8_dot.q4_linear(torch.randn(3, 95), *_q4(), 40), r"q4_linear: x has 95 input features"),
     ("q4_linear", lambda: int8_dot.q4_linear(torch.zeros(3, 96, dtype=torch.int32), *_q4(), 40),
      "q4_linear: x must be float32 or bfloat16"),
     ("q4_linear", lambda: int8_dot.q4_linear(torch.randn(3, 64), *_q4(), 40), "q4_linear: dm must hold"),
-    ("q4_linear", lambda: int8_dot.q4_linear(torch.randn(3, 96), _q4()[0], _q4()[1].float(), 40),
-     "q4_linear: dm must hold float16"),
+    ("q4_linear", lambda: int8_dot.q4_linear(torch.randn(3, 96), _q4()[0], _q4()[1].double(), 40),
+     "q4_linear: dm must hold float16 or float32"),
     ("q4_linear", lambda: int8_dot.q4_linear(torch.randn(3, 96), *_q4(), 60), "60 outputs in 3 groups"),
     ("q4_linear", lambda: int8_dot.q4_linear(torch.randn(3, 96), *_q4(), 40, torch.randn(7)),
      "the bias has 7 values for 40 outputs"),
@@ -149,6 +154,12 @@ INTEGER_DOT_REFUSALS = [
     ("q8_linear", lambda: int8_dot.q8_linear(torch.randn(3, 96), _q8()[0].t(), _q8()[1], 40),
      "q8_linear: (packed weights|scale must hold)"),
     ("q8_linear", lambda: int8_dot.q8_linear(torch.randn(3, 0), *_q8(), 40), "q8_linear: x has 0 input features"),
+    ("q8b_linear", lambda: int8_dot.q8b_linear(torch.randn(3, 96), _q8b()[0], _q8b()[1].flatten()[:7], 40),
+     "q8b_linear: scales must hold one or two"),
+    ("q8b_linear", lambda: int8_dot.q8b_linear(torch.randn(3, 96), _q8b()[0], _q8b()[1].half(), 40),
+     "q8b_linear: scales must hold one or two float32"),
+    ("q8b_linear", lambda: int8_dot.q8b_linear(torch.randn(3, 64), *_q8b(), 40), "q8b_linear: (scales|packed)"),
+    ("q8b_linear", lambda: int8_dot.q8b_linear(torch.randn(3, 95), *_q8b(), 40), "q8b_linear: x has 95"),
     ("quantize_q8", lambda: torch.ops.specdec_cpu.quantize_q8(torch.randn(2, 3, 32)), "quantize_q8: x must be 2-D"),
     ("quantize_q8", lambda: torch.ops.specdec_cpu.quantize_q8(torch.randn(2, 33)), "quantize_q8: x has 33"),
 ]
