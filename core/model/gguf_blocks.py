@@ -170,9 +170,8 @@ def _widen(kind: str, raw: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(raw.copy().view(np.float32))
     if kind == "F16":
         return torch.from_numpy(raw.copy().view(np.float16).astype(np.float32))
-    blocks = raw.reshape(raw.shape[0], -1, 34)
-    scale = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
-    return torch.from_numpy((blocks[..., 2:].copy().view(np.int8).astype(np.float32) * scale).reshape(raw.shape[0], -1))
+    codes, scales = _decode("Q8_0", raw, 34)
+    return codes.float() * scales.repeat_interleave(32, 1)
 
 
 def _int8_rows(f, ggml_type: int, offset: int, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -216,22 +216,18 @@ def _scaled(rows: torch.Tensor, embed_scale: float | None) -> torch.Tensor:
     return rows if embed_scale is None else rows * embed_scale
 
 
-def _rounded(scale: torch.Tensor | None, dtype: torch.dtype) -> float | None:
-    return None if scale is None else float(scale.to(dtype))
-
-
 class Int8Embedding(nn.Module):
     """An embedding table stored as int8 rows with one scale each; looked-up rows are widened
     (and multiplied by ``embed_scale``, where the model scales its embeddings)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, padding_idx: int | None = None,
-                 embed_scale: torch.Tensor | None = None):
+                 embed_scale: float | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = codes.shape
         self.padding_idx = padding_idx
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.to(dtype))
-        self.embed_scale = _rounded(embed_scale, dtype)
+        self.embed_scale = embed_scale
 
     @property
     def weight(self) -> torch.Tensor:
@@ -245,12 +241,12 @@ class HeadRowsEmbedding(nn.Module):
     """The embedding of a tied int8 head stored for the integer-dot kernel: looked-up rows
     are read from the head's packed codes and widened, as :class:`Int8Embedding` widens its own."""
 
-    def __init__(self, head: W8A8Linear, padding_idx: int | None = None, embed_scale: torch.Tensor | None = None):
+    def __init__(self, head: W8A8Linear, padding_idx: int | None = None, embed_scale: float | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.padding_idx = padding_idx
         self.head = [head]  # not a submodule: the head is the model's, its buffers counted there
-        self.embed_scale = _rounded(embed_scale, head.dtype)
+        self.embed_scale = embed_scale
 
     @property
     def weight(self) -> torch.Tensor:
@@ -375,12 +371,12 @@ def quantize_model(model: nn.Module, mode: str, dtype: torch.dtype, blocks: dict
         _set_module(model, name, new)
     new_head = model.get_output_embeddings()
     plain = _is_plain_embedding(embed)
-    embed_scale = _embed_scale(embed) if plain else None
+    embed_scale = _embed_scale(embed, dtype) if plain else None
     if tied and isinstance(new_head, W8A8Linear) and (file_embedding is not None or plain):
         model.set_input_embeddings(HeadRowsEmbedding(new_head, embed.padding_idx, embed_scale))
         counts["embedding"] = 1
     elif file_embedding is not None:
-        file_embedding.embed_scale = _rounded(embed_scale, dtype)
+        file_embedding.embed_scale = embed_scale
         model.set_input_embeddings(file_embedding)
         counts["embedding"] = 1
     elif plain:
@@ -411,9 +407,11 @@ def _is_plain_embedding(embed: nn.Module | None) -> bool:
         and hasattr(embed, "embed_scale")))
 
 
-def _embed_scale(embed: nn.Embedding) -> torch.Tensor | None:
+def _embed_scale(embed: nn.Embedding, dtype: torch.dtype) -> float | None:
+    """The embedding's scale (Gemma's ``sqrt(hidden)``) rounded to ``dtype`` as transformers
+    rounds it before multiplying, or None where it has none."""
     scale = getattr(embed, "embed_scale", None)
-    return None if scale is None else torch.as_tensor(scale, dtype=torch.float32).clone()
+    return None if scale is None else float(torch.as_tensor(scale).to(dtype))
 
 
 @torch.no_grad()
