@@ -76,6 +76,17 @@ class StateWatcher(Drafter):
         self.seen.extend(results)
 
 
+class LastStateWatcher(StateWatcher):
+    """As :class:`StateWatcher`, with the final norm's state alone (what EAGLE, MTP,
+    Medusa and ReDrafter read)."""
+
+    seen: list = []
+
+    @hookimpl
+    def target_hidden_layers(self, target):
+        return [-1]
+
+
 def random_layout(gen, block_size: int, num_blocks: int, shapes: list, device: str = "cpu") -> AttentionLayout:
     """shapes: (committed tokens, new tokens, tree?) per sequence."""
     free = torch.randperm(num_blocks, generator=gen).tolist()

@@ -415,10 +415,20 @@ class TargetModel:
         # its first token 60 s after start frozen, 23 s not, torch's caches warm).
         self._freeze = self.device.type == "cpu" and any(isinstance(m, torch.nn.Linear) for m in model.modules())
         self._compiled = {}
+        if self._norm is not None:
+            self.capture_hidden_layers([-1])
+
+    def _graph_states(self, layers: frozenset[int]) -> frozenset[int]:
+        """The states a compiled forward asked for ``layers`` keeps: the final norm's too,
+        where there is one, so that plain decoding and the drafters that read the last state
+        (EAGLE, MTP, Medusa, ReDrafter) share one graph. The norm's output is written for
+        the head anyway: keeping it costs nothing, a second graph costs a compilation."""
+        return layers | {-1} if self._norm is not None else layers
 
     def _graph(self, layers: frozenset[int]) -> Callable:
-        """The compiled forward keeping ``layers``' states: a code object of its own, so
-        that its graphs serve that set only."""
+        """The compiled forward keeping ``layers``' states (:meth:`_graph_states`): a code
+        object of its own, so that its graphs serve that set only."""
+        layers = self._graph_states(layers)
         graph = self._compiled.get(layers)
         if graph is None:
             model = self.model
@@ -443,7 +453,7 @@ class TargetModel:
         if self._compiled is None:
             logits, captured = self.forward_raw(input_ids, positions, meta, logits_rows)
             return logits.float(), captured
-        with self._capturing_states(meta.hidden_layers):
+        with self._capturing_states(self._graph_states(meta.hidden_layers)):
             logits = self._compiled_logits(input_ids[None], positions[None], meta, logits_rows)
             tokens = len(input_ids)  # a token run twice (_invariant_logits) is captured twice
             return logits, {layer: self._captured[layer][:tokens] for layer in meta.hidden_layers}

@@ -6,7 +6,7 @@ that counts graphs starts without a kept target (:mod:`specdec.model.kept`)."""
 
 import pytest
 import torch
-from helpers import StateWatcher
+from helpers import LastStateWatcher, StateWatcher
 from torch._dynamo.utils import counters
 
 from specdec import LLM, SamplingParams, testing
@@ -168,10 +168,10 @@ def test_targets_compiled_in_one_process_keep_their_own_graphs(tiny_models):
 
 def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_states(tiny_models):
     """A second LLM asking for the same weights, numerics and compilation gets the first
-    one's target, its graphs compiled: no load, no new graph. One whose drafter reads
-    hidden states shares it too, with graphs of its own that keep them, while the plain
-    engines' graphs keep none. Used in turn, each answers as the eager target does; the
-    last target stays after its LLMs are gone, until released."""
+    one's target, its graphs compiled: no load, no new graph. One whose drafter reads the
+    final norm's state alone shares the plain graphs too (they keep that state); one that
+    reads another layer's gets graphs of its own. Used in turn, each answers as the eager
+    target does; the last target stays after its LLMs are gone, until released."""
     import gc
     import weakref
 
@@ -185,18 +185,23 @@ def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_stat
     plain = LLM(model=model, dtype="float32", engine={"compile": True})
     assert plain.target is not eager.target and counters["stats"]["unique_graphs"] - before == 3
     again = LLM(model=model, dtype="float32", engine={"compile": True, "max_batch_size": 2})
+    last = LLM(model=model, dtype="float32", engine={"compile": True},
+               speculative_config={"decoding_type": "user", "drafter": LastStateWatcher})
+    assert last.target is plain.target and counters["stats"]["unique_graphs"] - before == 3
     reader = LLM(model=model, dtype="float32", engine={"compile": True},
                  speculative_config={"decoding_type": "user", "drafter": StateWatcher})
     assert again.target is plain.target is reader.target
     assert counters["stats"]["unique_graphs"] - before == 6
-    assert set(plain.target._compiled) == {frozenset(), frozenset({0, -1})}
+    assert set(plain.target._compiled) == {frozenset({-1}), frozenset({0, -1})}
     want = [o.token_ids for o in eager.generate(prompts, params)]
-    for llm in (plain, reader, again, reader, plain):
+    LastStateWatcher.seen.clear()
+    for llm in (plain, reader, last, again, reader, plain):
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert counters["stats"]["unique_graphs"] - before == 6
     assert StateWatcher.seen and all(sorted(r.hidden_states) == [-1, 0] for r in StateWatcher.seen)
+    assert LastStateWatcher.seen and all(list(r.hidden_states) == [-1] for r in LastStateWatcher.seen)
     target = weakref.ref(plain.target)
-    del eager, plain, again, reader, llm
+    del eager, plain, again, last, reader, llm
     gc.collect()
     assert target() is not None
     release_kept_targets()
