@@ -358,9 +358,9 @@ def test_native_llama_cpp_is_found_or_built_and_its_server_answers_timed(tmp_pat
     llama-bench's figures; a llama-server request answered with the greedy tokens specdec's
     own plain decoding gives (the same 4-bit blocks: the first tokens agree), timed at the
     client; its n-gram speculation answers too. Building them takes 10-17 minutes on two
-    cores: the test builds them with SPECDEC_TEST_BUILD_LLAMA_CPP=1 (as CI's command
-    sets), so a developer's run of the suite is not held up by it, and is skipped where
-    they are not found and not built (or no compiler can build them)."""
+    cores, more than CI's budget: the test builds them with SPECDEC_TEST_BUILD_LLAMA_CPP=1
+    (run it so after a change to that path), and is skipped where they are not found and
+    not built (or no compiler can build them)."""
     import shutil
 
     from specdec import LLM
