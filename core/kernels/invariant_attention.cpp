@@ -158,6 +158,17 @@ inline void attend_query(const float* q, const R* const* k_rows, const R* const*
                          int64_t dim_v, float scale, float softcap, int64_t window, int64_t query_pos,
                          const int64_t* key_pos, float* s, float* acc, T* out) {
   const float inf = std::numeric_limits<float>::infinity();
+  if (window > 0) {
+    // whole blocks of keys before the first one inside the window weigh nothing: they are
+    // not scored. A kept key stays in its lane, so every sum below is the one it was.
+    int64_t first = 0;
+    while (first < n && query_pos - key_pos[first] >= window) ++first;
+    const int64_t skip = first / LANES * LANES;
+    k_rows += skip;
+    v_rows += skip;
+    key_pos += skip;
+    n -= skip;
+  }
   const int64_t blocks = (n + LANES - 1) / LANES;
   for (int64_t b = 0; b < blocks; ++b) store_lanes(s + b * LANES, block_scores<DIM>(q, k_rows + b * LANES, dim) * scale);
   if (softcap > 0.0f)
