@@ -253,6 +253,14 @@ void attend(const float* query, const T* keys, const T* values, T* out, const in
         for (int64_t d = 0; d < dim_v; ++d) v_buf[j * dim_v + d] = static_cast<float>(v[d]);
       }
       for (int64_t t = first; t < last; ++t) {
+        // a token given twice (a decode step runs its token twice) gets the answer it got
+        if (t > first && count[t] == count[t - 1] && query_pos[t] == query_pos[t - 1] &&
+            std::memcmp(query + (t * heads + g * rep) * dim, query + ((t - 1) * heads + g * rep) * dim,
+                        rep * dim * sizeof(float)) == 0) {
+          std::memcpy(out + (t * heads + g * rep) * dim_v, out + ((t - 1) * heads + g * rep) * dim_v,
+                      rep * dim_v * sizeof(T));
+          continue;
+        }
         const int64_t n = count[t];
         k_wide.assign((n + LANES - 1) / LANES * LANES, zeros_wide.data());
         v_wide.resize(n);
