@@ -223,6 +223,7 @@ void attend(const float* query, const T* keys, const T* values, T* out, const in
     std::vector<const T*> k_rows, v_rows;
     std::vector<const float*> k_wide, v_wide;
     std::vector<float> scores, acc(dim_v), k_buf, v_buf;
+    std::vector<char> repeats;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = order[item / kv_heads], g = item % kv_heads;
       const int64_t first = tiles[tile], last = tiles[tile + 1];
@@ -230,7 +231,21 @@ void attend(const float* query, const T* keys, const T* values, T* out, const in
       for (int64_t t = first; t < last; ++t) longest = count[t] > longest ? count[t] : longest;
       const int64_t* row_slots = slots + offset[first];
       scores.resize((longest + LANES - 1) / LANES * LANES);
-      if (last - first == 1) {
+      // a token given twice (a decode step runs its token twice) takes the answer the token
+      // before it got; a tile of one token and its copies reads the pool's rows as they are
+      repeats.assign(last - first, 0);
+      int64_t distinct = 1;
+      for (int64_t t = first + 1; t < last; ++t) {
+        repeats[t - first] = count[t] == count[t - 1] && query_pos[t] == query_pos[t - 1] &&
+                             std::memcmp(query + (t * heads + g * rep) * dim, query + ((t - 1) * heads + g * rep) * dim,
+                                         rep * dim * sizeof(float)) == 0;
+        distinct += !repeats[t - first];
+      }
+      const auto copy_previous = [&](int64_t t) {
+        std::memcpy(out + (t * heads + g * rep) * dim_v, out + ((t - 1) * heads + g * rep) * dim_v,
+                    rep * dim_v * sizeof(T));
+      };
+      if (distinct == 1) {
         const int64_t t = first, n = count[t];
         k_rows.assign((n + LANES - 1) / LANES * LANES, zeros.data());
         v_rows.resize(n);
@@ -242,6 +257,7 @@ void attend(const float* query, const T* keys, const T* values, T* out, const in
           attend_query<DIM>(query + (t * heads + h) * dim, k_rows.data(), v_rows.data(), n, dim, dim_v, scale,
                             softcap, window, query_pos[t], key_pos + offset[t], scores.data(), acc.data(),
                             out + (t * heads + h) * dim_v);
+        for (int64_t u = first + 1; u < last; ++u) copy_previous(u);
         continue;
       }
       k_buf.resize(longest * dim);
@@ -253,12 +269,8 @@ void attend(const float* query, const T* keys, const T* values, T* out, const in
         for (int64_t d = 0; d < dim_v; ++d) v_buf[j * dim_v + d] = static_cast<float>(v[d]);
       }
       for (int64_t t = first; t < last; ++t) {
-        // a token given twice (a decode step runs its token twice) gets the answer it got
-        if (t > first && count[t] == count[t - 1] && query_pos[t] == query_pos[t - 1] &&
-            std::memcmp(query + (t * heads + g * rep) * dim, query + ((t - 1) * heads + g * rep) * dim,
-                        rep * dim * sizeof(float)) == 0) {
-          std::memcpy(out + (t * heads + g * rep) * dim_v, out + ((t - 1) * heads + g * rep) * dim_v,
-                      rep * dim_v * sizeof(T));
+        if (repeats[t - first]) {
+          copy_previous(t);
           continue;
         }
         const int64_t n = count[t];
