@@ -152,6 +152,30 @@ def test_the_mode_runs_the_cpu_kernel_where_a_compiler_is_found(monkeypatch):
     torch.testing.assert_close(got, paged_attention_torch(*narrow, layout, scale), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.skipif(DEVICE != "cpu" or shutil.which("c++") is None, reason="the C++ kernel is the CPU's")
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_token_given_twice_gets_its_answer_alone_in_both_copies(window):
+    """A compiled decode step runs its token twice: both copies get, bit for bit, what the
+    token gets alone, whether the copies are a tile of their own or sit among other tokens
+    of the same key row (a prompt chunk's, whose row the kernel widens once)."""
+    assert kernel_available()
+    gen = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(300, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    slots, key_pos = torch.randperm(300, generator=gen)[:200], torch.arange(200)
+    query = torch.randn(4, 3, 64, generator=gen).bfloat16()  # heads, three distinct tokens, dim
+
+    def attend(tokens: list[int], count: list[int]) -> torch.Tensor:
+        n = len(tokens)
+        return cpu.attend_key_rows(query[:, tokens], keys, values, slots, key_pos, torch.zeros(n, dtype=torch.long),
+                                   torch.tensor(count), torch.tensor(count) - 1, 0.125, window, None)
+
+    alone = [attend([t], [c])[0] for t, c in ((0, 200), (1, 150), (2, 120))]
+    for got in (attend([0, 0], [200, 200]), attend([2, 1, 1, 0, 0], [120, 150, 150, 200, 200])):
+        rows = [0, 0] if len(got) == 2 else [2, 1, 1, 0, 0]
+        for row, token in zip(got, rows):
+            assert torch.equal(row, alone[token])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (576, 576), (576, 4096)])
 def test_invariant_linear_gives_a_row_the_same_result_in_any_batch(shape, dtype):
