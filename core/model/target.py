@@ -212,6 +212,8 @@ class TargetParts:
         rotary_emb: the module computing rotary ``(cos, sin)`` from positions, or None.
         hf_config: the text config (architecture of a draft layer "like the target's").
         hidden_size, num_layers, vocab_size: as their names say.
+        rope_layer_types: each layer's type where the rotary module takes it (Gemma 3:
+            sliding layers rotate with another base), else None.
     """
 
     embed_tokens: torch.nn.Module
@@ -223,6 +225,7 @@ class TargetParts:
     hidden_size: int
     num_layers: int
     vocab_size: int
+    rope_layer_types: tuple[str, ...] | None = None
 
     def rope(self, like: torch.Tensor, positions: torch.Tensor, layer: int = -1):
         """Rotary ``(cos, sin)`` at ``positions`` as decoder layer ``layer`` reads them, or
@@ -230,9 +233,8 @@ class TargetParts:
         (Gemma 3: sliding layers rotate with another base) take the layer's type."""
         if self.rotary_emb is None:
             return None
-        types = getattr(self.hf_config, "layer_types", None)
-        if types is not None and "layer_type" in inspect.signature(self.rotary_emb.forward).parameters:
-            return self.rotary_emb(like, positions, types[layer])
+        if self.rope_layer_types is not None:
+            return self.rotary_emb(like, positions, self.rope_layer_types[layer])
         return self.rotary_emb(like, positions)
 
 
@@ -242,10 +244,14 @@ def target_parts(model) -> TargetParts:
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     config = text_config(model.config)
     head = model.get_output_embeddings()
+    rotary = getattr(base, "rotary_emb", None)
+    types = getattr(config, "layer_types", None)
+    takes_type = rotary is not None and types is not None and \
+        "layer_type" in inspect.signature(rotary.forward).parameters
     return TargetParts(embed_tokens=model.get_input_embeddings(), final_norm=norm, lm_head=head,
-                       decoder_layers=layers, rotary_emb=getattr(base, "rotary_emb", None), hf_config=config,
+                       decoder_layers=layers, rotary_emb=rotary, hf_config=config,
                        hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
-                       vocab_size=head.out_features)
+                       vocab_size=head.out_features, rope_layer_types=tuple(types) if takes_type else None)
 
 
 def _decoder_parts(model) -> tuple[torch.nn.ModuleList, torch.nn.Module | None]:
