@@ -179,6 +179,15 @@ def _(query, key, value, layer, scale, sliding_window, softcap):
     return query.new_empty(1, query.shape[2], query.shape[1], value.shape[3])
 
 
+def _pools_dynamic(keys, values) -> None:
+    """Mark a KV cache's pools dynamic in their slots, once per cache: a compiled graph then
+    serves every engine's cache, whatever its number of blocks (sized from free memory, it
+    differs between engines sharing a target)."""
+    if not hasattr(keys[0], "_dynamo_dynamic_indices"):
+        for pool in (*keys, *values):
+            torch._dynamo.mark_dynamic(pool, 0)
+
+
 def _no_mask(*args, **kwargs):
     return None
 
@@ -523,18 +532,16 @@ class TargetModel:
                                 for name in step._fields[2:]})
         for tensor, dim in ((ids, 1), (positions, 1), (rows, 0), *((t, 0) for t in step[2:])):
             torch._dynamo.mark_dynamic(tensor, dim)
-        if not hasattr(step.keys[0], "_dynamo_dynamic_indices"):  # once per cache: its slots, whatever their number
-            for pool in (*step.keys, *step.values):
-                torch._dynamo.mark_dynamic(pool, 0)
+        _pools_dynamic(step.keys, step.values)
         with torch._inductor.config.patch({**CPP_WRAPPER_OPTIONS, "emulate_precision_casts": True}):
             return self._graph(meta.hidden_layers)(ids, positions, rows, step)[0, :count].float()
 
     @staticmethod
     def _sequence_kv(meta: ForwardMetadata) -> SequenceKV:
-        """The one sequence of ``meta``'s step as graph inputs, its sizes dynamic (no mask
-        for one token). A context of one slot (a one-token prompt) is given twice, or the
-        one-token graph would be specialised to it: two equal scores weigh the value
-        1/2 + 1/2, exactly."""
+        """The one sequence of ``meta``'s step as graph inputs, its sizes dynamic (the
+        cache's too, :func:`_pools_dynamic`; no mask for one token). A context of one slot
+        (a one-token prompt) is given twice, or the one-token graph would be specialised to
+        it: two equal scores weigh the value 1/2 + 1/2, exactly."""
         slots, context, mask = meta.layout.slot_mapping.clone(), meta.layout.context_slots, meta.layout.dense_mask
         context = context.repeat(2) if len(context) == 1 else context.clone()
         torch._dynamo.mark_dynamic(context, 0)
@@ -542,4 +549,5 @@ class TargetModel:
             mask = mask.clone()
             for tensor, dim in ((slots, 0), (mask, 0), (mask, 1)):
                 torch._dynamo.mark_dynamic(tensor, dim)
+        _pools_dynamic(meta.cache.keys, meta.cache.values)
         return SequenceKV(tuple(meta.cache.keys), tuple(meta.cache.values), slots, context, mask)
