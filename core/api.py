@@ -149,6 +149,9 @@ class LLM:
                     prepack_linears(layer)
             hooks = drafter_plugin_manager(self.drafter, spec.decoding_type)
         self.engine = Engine(self.target, config.engine, spec, hooks, seed=seed)
+        resolved = attrs.evolve(config.engine, compile=self.engine.compiled,
+                                batch_invariant=self.engine.batch_invariant)
+        keep_target(reuse_key(attrs.evolve(config, engine=resolved), self.dtype, self.device), self.target)
 
     def _drafters_own_linears(self) -> list[torch.nn.Module]:
         """The linear layers of the drafter's modules that are not the target's: a layer-skip

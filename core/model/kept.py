@@ -2,8 +2,9 @@
 
 Loading a target and compiling its graphs costs seconds (minutes with torch's caches
 empty). An ``LLM`` that asks for a target this process already holds, with the same
-weights, tokenizer, numerics and compilation (:func:`reuse_key`), gets that target and its
-compiled graphs instead of a copy: a script, a benchmark or a test suite building one
+weights, tokenizer, numerics and compilation (:func:`reuse_key`; a setting asked for by
+value matches an ``auto`` that resolved to it), gets that target and its compiled graphs
+instead of a copy: a script, a benchmark or a test suite building one
 ``LLM`` after another pays once. Sharing is safe because engines only read a target: each
 has its own KV cache and names the hidden states it wants in every forward.
 

@@ -168,7 +168,8 @@ def test_targets_compiled_in_one_process_keep_their_own_graphs(tiny_models):
 
 def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_states(tiny_models):
     """A second LLM asking for the same weights, numerics and compilation gets the first
-    one's target, its graphs compiled: no load, no new graph. One whose drafter reads the
+    one's target, its graphs compiled: no load, no new graph (a setting given by value
+    matches an ``auto`` that resolved to it). One whose drafter reads the
     final norm's state alone shares the plain graphs too (they keep that state); one that
     reads another layer's gets graphs of its own. Used in turn, each answers as the eager
     target does; the last target stays after its LLMs are gone, until released."""
@@ -200,6 +201,8 @@ def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_stat
     assert counters["stats"]["unique_graphs"] - before == 6
     assert StateWatcher.seen and all(sorted(r.hidden_states) == [-1, 0] for r in StateWatcher.seen)
     assert LastStateWatcher.seen and all(list(r.hidden_states) == [-1] for r in LastStateWatcher.seen)
+    # asked by value, the numerics ``auto`` resolved to for it (stock at float32)
+    assert LLM(model=model, dtype="float32", engine={"compile": True, "batch_invariant": False}).target is plain.target
     target = weakref.ref(plain.target)
     del eager, plain, again, last, reader, llm
     gc.collect()
