@@ -125,23 +125,23 @@ def test_embedded_int4_greedy_lossless_with_trained_drafters(smol_int4_bf16, met
 def smol_w4a8_plain():
     """The check prompts and a 1,100-token summarization request (three prompt chunks)
     batched, and the w4a8 target's plain answers."""
-    llm = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "w4a8", "batch_invariant": True})
+    llm = embedded.embedded_llm()
     prompts = [llm.apply_chat_template(c) for c in embedded.SHIPPED_CHECK_PROMPTS]
     prompts.insert(1, long_document_prompt(llm.get_tokenizer(), 1100))
     return prompts, llm.generate(prompts, embedded.SHIPPED_CHECK_PARAMS)
 
 
-@pytest.mark.parametrize("method", ["ngram", "lookahead", "draft_target", "medusa", "eagle", "eagle3", "mtp",
-                                    "redrafter"])
+@pytest.mark.parametrize("method", ["ngram", "lookahead", "suffix", "draft_target", "medusa", "eagle", "eagle3",
+                                    "mtp", "redrafter"])
 def test_embedded_w4a8_greedy_lossless_with_every_method(smol_w4a8_plain, method):
     """On the integer-dot kernels (8-bit activations, each token's quantized on its own)
     every method's output equals the w4a8 target's plain output, drafts accepted
     (bfloat16, the batch-invariant attention, the forward compiled as by default), a long
     prompt's chunks in the batch beside short requests."""
     prompts, plain = smol_w4a8_plain
-    spec = LLM(device="cpu", dtype="bfloat16", engine={"quantization": "w4a8", "batch_invariant": True},
-               speculative_config={"decoding_type": method, "adaptive": False})
-    assert sum(isinstance(m, W4A8Linear) for m in spec.target.model.modules()) == 210 and spec.engine.compiled
+    spec = LLM(speculative_config={"decoding_type": method, "adaptive": False})
+    assert sum(isinstance(m, W4A8Linear) for m in spec.target.model.modules()) == 210
+    assert spec.engine.compiled and spec.engine.batch_invariant
     assert spec.config.engine.draft_quantization == "w8a8"
     got = spec.generate(prompts, embedded.SHIPPED_CHECK_PARAMS)
     for i, (a, b) in enumerate(zip(plain, got)):

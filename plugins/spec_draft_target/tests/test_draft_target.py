@@ -46,8 +46,8 @@ def test_greedy_lossless_with_layer_skip_on_the_embedded_model():
     """An untrained first-N-layers draft of SmolLM2 is rarely accepted; the output must not change."""
     prompts = [[{"role": "user", "content": "List the planets of the solar system, one per line."}]]
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    plain = LLM(dtype="float32").chat(prompts, params)
-    spec = LLM(dtype="float32", speculative_config={"decoding_type": "draft_target", "draft_layers": 20,
+    plain = embedded.embedded_llm().chat(prompts, params)
+    spec = LLM(speculative_config={"decoding_type": "draft_target", "draft_layers": 20,
                                                     "max_draft_len": 3, "adaptive": False})
     got = spec.chat(prompts, params)
     assert got[0].token_ids == plain[0].token_ids and len(got[0].token_ids) == 24
@@ -88,8 +88,8 @@ def test_shipped_draft_is_the_default_on_the_embedded_model_lossless_and_accepte
     prompts = [[{"role": "user", "content": "Explain why the sky looks blue, in two sentences."}],
                [{"role": "user", "content": "A box holds 12 eggs. How many eggs are in 7 boxes? Think step by step."}]]
     params = SamplingParams(max_tokens=48, temperature=0.0)
-    plain = LLM(dtype="float32").chat(prompts, params)
-    spec = LLM(dtype="float32", speculative_config={"decoding_type": "draft_target", "max_draft_len": 3,
+    plain = embedded.embedded_llm().chat(prompts, params)
+    spec = LLM(speculative_config={"decoding_type": "draft_target", "max_draft_len": 3,
                                                     "adaptive": False})
     assert spec.drafter.draft_vocab is not None and (SHIPPED_DRAFT / "config.json").exists()
     got = spec.chat(prompts, params)

@@ -1,7 +1,8 @@
 """The heads shipped for the embedded model: the default for eagle / eagle3 on it; greedy
-output identical to plain greedy in float32 with many drafts accepted, as chains, static
-trees and dynamic trees; sampled output follows the target's distribution; preemption
-(the draft cache rolled back to where the target recomputes) keeps output unchanged."""
+output identical to plain greedy on the default target with many drafts accepted, as
+chains, static trees and dynamic trees; sampled output follows the target's distribution;
+preemption (the draft cache rolled back to where the target recomputes) keeps output
+unchanged."""
 
 import pytest
 from specdec_eagle import SHIPPED_HEADS
@@ -14,10 +15,10 @@ PARAMS = embedded.SHIPPED_CHECK_PARAMS
 
 
 @pytest.mark.parametrize("name, mode, min_length", [
-    ("eagle3", {}, 1.35),  # measured 1.46 (an untrained head: about 1.0)
-    ("eagle3", {"eagle_choices": [[0, 0, 0], [0, 1], [1, 0], [2]]}, 1.5),  # 1.63
-    ("eagle3", {"use_dynamic_tree": True, "dynamic_tree_max_topK": 3, "max_total_draft_tokens": 10}, 1.5),  # 1.66
-    ("eagle", {}, 1.3),  # 1.39
+    ("eagle3", {}, 1.4),  # measured 1.50 (an untrained head: about 1.0)
+    ("eagle3", {"eagle_choices": [[0, 0, 0], [0, 1], [1, 0], [2]]}, 1.6),  # 1.75
+    ("eagle3", {"use_dynamic_tree": True, "dynamic_tree_max_topK": 3, "max_total_draft_tokens": 10}, 1.65),  # 1.81
+    ("eagle", {}, 1.3),  # 1.37
 ])
 def test_shipped_heads_are_lossless_and_accepted(name, mode, min_length):
     spec, _ = embedded.check_shipped_drafter({"decoding_type": name, **mode}, min_length)
@@ -40,7 +41,7 @@ def test_sampled_constrained_output_follows_the_masked_target():
 
 def test_preempted_requests_rebuild_the_draft_cache_and_stay_lossless():
     plain = embedded.embedded_plain_chat()
-    llm = LLM(dtype="float32", engine={"kv_cache_blocks": 32, "block_size": 4, "max_batch_size": 4},
+    llm = LLM(engine={"kv_cache_blocks": 32, "block_size": 4, "max_batch_size": 4},
               speculative_config={"decoding_type": "eagle3"})
     preempted = []
     scheduler = llm.engine.scheduler

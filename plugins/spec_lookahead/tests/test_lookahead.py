@@ -45,9 +45,9 @@ def test_greedy_lossless_on_embedded_model():
     prompts = [[{"role": "user", "content": "Give me three tips for keeping houseplants alive."}],
                [{"role": "user", "content": "Count from one to twenty in words."}]]
     params = SamplingParams(max_tokens=40, temperature=0.0)
-    want = LLM(dtype="float32").chat(prompts, params)
+    want = embedded.embedded_llm().chat(prompts, params)
     # adaptive off: the planner follows measured step times, and under load it may never draft
-    spec = LLM(dtype="float32", speculative_config={"decoding_type": "lookahead", "adaptive": False})
+    spec = LLM(speculative_config={"decoding_type": "lookahead", "adaptive": False})
     got = spec.chat(prompts, params)
     for a, b in zip(want, got):
         assert b.token_ids == a.token_ids

@@ -1,7 +1,7 @@
 """The heads shipped for the embedded model: the default for medusa on it; greedy output
-identical to plain greedy in float32 with drafts accepted, as the default tree and as a
-chain; sampled output follows the target's distribution; typical acceptance is opt-in
-and labelled lossy."""
+identical to plain greedy on the default target with drafts accepted, as the default tree
+and as a chain; sampled output follows the target's distribution; typical acceptance is
+opt-in and labelled lossy."""
 
 import json
 import subprocess
@@ -17,8 +17,8 @@ PROMPTS = embedded.SHIPPED_CHECK_PROMPTS
 
 
 @pytest.mark.parametrize("mode, min_length", [
-    ({}, 1.4),  # measured 1.48
-    ({"medusa_choices": [[0, 0, 0]]}, 1.25),  # 1.32
+    ({}, 1.4),  # measured 1.52
+    ({"medusa_choices": [[0, 0, 0]]}, 1.2),  # 1.26
 ])
 def test_shipped_heads_are_lossless_and_accepted(mode, min_length):
     spec, _ = embedded.check_shipped_drafter({"decoding_type": "medusa", **mode}, min_length)
@@ -38,8 +38,8 @@ def test_typical_acceptance_is_opt_in_and_labelled_lossy():
     medusa = next(m for m in listed["decoding_types"] if m["name"] == "medusa")
     assert medusa["lossy_options"] == ["use_typical_acceptance"]
     params = SamplingParams(max_tokens=16, temperature=0.7, seed=0)
-    exact = LLM(dtype="float32", speculative_config={"decoding_type": "medusa"}).chat(PROMPTS[:1], params)[0]
-    typical = LLM(dtype="float32", speculative_config={"decoding_type": "medusa", "use_typical_acceptance": True})
+    exact = LLM(speculative_config={"decoding_type": "medusa"}).chat(PROMPTS[:1], params)[0]
+    typical = LLM(speculative_config={"decoding_type": "medusa", "use_typical_acceptance": True})
     out = typical.chat(PROMPTS[:1], params)[0]
     assert exact.metrics.lossless and not out.metrics.lossless
 

@@ -121,7 +121,7 @@ def test_conformance():
 
 @pytest.fixture(scope="module")
 def plain():
-    return LLM(dtype="float32")
+    return embedded.embedded_llm()
 
 
 @pytest.mark.parametrize("options", [{"max_draft_len": 4}, {"max_draft_len": 8, "max_matching_ngram_size": 5},
@@ -131,7 +131,7 @@ def test_greedy_lossless_on_embedded_model(plain, options):
                [{"role": "user", "content": "Fix the bug:\n\ndef add(a, b):\n    return a - b\n"}]]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     want = plain.chat(prompts, params)
-    spec = LLM(dtype="float32", speculative_config={"decoding_type": "ngram", "adaptive": False, **options})
+    spec = LLM(speculative_config={"decoding_type": "ngram", "adaptive": False, **options})
     got = spec.chat(prompts, params)
     for a, b in zip(want, got):
         assert b.token_ids == a.token_ids

@@ -1,5 +1,6 @@
 """The drafter shipped for the embedded model: the default for redrafter on it; greedy
-output identical to plain greedy in float32 with drafts accepted, as beams and as a chain;
+output identical to plain greedy on the default target with drafts accepted, as beams and
+as a chain;
 sampled output follows the target's distribution."""
 
 import pytest
@@ -8,8 +9,8 @@ from specdec_test_support import embedded
 
 
 @pytest.mark.parametrize("mode, min_length", [
-    ({}, 1.6),
-    ({"beam_width": 1}, 1.4),
+    ({}, 1.6),  # measured 1.745
+    ({"beam_width": 1}, 1.45),  # 1.600
 ])
 def test_shipped_drafter_is_lossless_and_accepted(mode, min_length):
     spec, _ = embedded.check_shipped_drafter({"decoding_type": "redrafter", **mode}, min_length)

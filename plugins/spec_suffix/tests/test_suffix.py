@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 from specdec_suffix import SuffixCache, SuffixConfig, SuffixDrafter
 from specdec_suffix.trie import SuffixTrie
+from specdec_test_support import embedded
 
 from specdec import LLM, SamplingParams, testing
 
@@ -128,14 +129,14 @@ AGENT_TURNS = [
 
 @pytest.fixture(scope="module")
 def plain():
-    return LLM(dtype="float32")
+    return embedded.embedded_llm()
 
 
 def test_greedy_lossless_alone_batched_and_with_the_cache_warm(plain):
     params = SamplingParams(max_tokens=48, temperature=0.0)
     chats = [[{"role": "user", "content": t}] for t in AGENT_TURNS]
     want = [o.token_ids for o in plain.chat(chats, params)]
-    spec = LLM(dtype="float32", speculative_config={"decoding_type": "suffix", "adaptive": False})
+    spec = LLM(speculative_config={"decoding_type": "suffix", "adaptive": False})
     alone = [spec.chat(c, params)[0] for c in chats]  # each turn after the last: the cache warms
     assert [o.token_ids for o in alone] == want
     assert sum(o.metrics.num_accepted_tokens for o in alone[1:]) > 0

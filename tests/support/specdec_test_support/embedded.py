@@ -1,7 +1,13 @@
 """specdec's own checks on the embedded model: the shipped drafters' greedy equality,
 acceptance, prefix-cache reuse and sampling, and structured output, each against plain
 decoding of the same model. The bundled plugins' tests and the core's use them; a
-third-party plugin uses the public kit, :mod:`specdec.testing`, instead."""
+third-party plugin uses the public kit, :mod:`specdec.testing`, instead.
+
+Greedy checks run the model as users run it, ``LLM()``'s defaults (on a CPU its GGUF's
+4-bit blocks on the integer-dot kernels, compiled, batch-invariant, so that speculative
+output is bit for bit plain output): every ``LLM`` of a process shares that compiled
+target, which decodes several times faster than the float32 model. Sampling checks run
+in float32, where the stock transformers model gives the exact distribution."""
 
 from __future__ import annotations
 
@@ -22,10 +28,18 @@ SHIPPED_CHECK_PARAMS = SamplingParams(max_tokens=48, temperature=0.0)
 
 
 @functools.lru_cache(maxsize=1)
+def embedded_llm() -> LLM:
+    """``LLM()`` on the embedded model, plain, held for the whole process: while it lives,
+    every ``LLM`` asking for the default target shares its compiled target, even after an
+    ``LLM`` of another target was built in between."""
+    return LLM()
+
+
+@functools.lru_cache(maxsize=1)
 def embedded_plain_chat() -> tuple:
-    """Plain greedy float32 answers of the embedded model to :data:`SHIPPED_CHECK_PROMPTS`
+    """Plain greedy answers of :func:`embedded_llm` to :data:`SHIPPED_CHECK_PROMPTS`
     (computed once per process)."""
-    return tuple(LLM(dtype="float32").chat(SHIPPED_CHECK_PROMPTS, SHIPPED_CHECK_PARAMS))
+    return tuple(embedded_llm().chat(SHIPPED_CHECK_PROMPTS, SHIPPED_CHECK_PARAMS))
 
 
 def steady_costs(llm, step: float = 0.03, per_token: float = 5e-4, per_level: float = 2e-3) -> None:
@@ -36,11 +50,11 @@ def steady_costs(llm, step: float = 0.03, per_token: float = 5e-4, per_level: fl
 
 
 def check_shipped_drafter(options: dict, min_length: float):
-    """A drafter on the embedded model in float32, drafting its full shape every step
+    """A drafter on the embedded model (``LLM()``'s defaults), drafting its full shape every step
     (``adaptive`` off unless ``options`` says otherwise): greedy output equals plain greedy
     output on :data:`SHIPPED_CHECK_PROMPTS`, and the acceptance length (tokens per target
     step) is at least ``min_length``. Returns the speculative ``LLM`` and the length."""
-    spec = LLM(dtype="float32", speculative_config={"adaptive": False, **options})
+    spec = LLM(speculative_config={"adaptive": False, **options})
     got = spec.chat(SHIPPED_CHECK_PROMPTS, SHIPPED_CHECK_PARAMS)
     for i, (a, b) in enumerate(zip(embedded_plain_chat(), got)):
         assert b.token_ids == a.token_ids, f"prompt {i}: output departs from plain greedy at token " \
@@ -53,11 +67,12 @@ def check_shipped_drafter(options: dict, min_length: float):
 def check_shipped_prefix_cache(options: dict) -> None:
     """A repeated chat prompt on the embedded model is served from the prefix cache and
     drafted from exactly as the first time: greedy output equals plain greedy output, and
-    the same drafts are proposed and accepted (float32, batch-invariant numerics, so the
-    hidden states of the prompt tokens the target still runs do not depend on how many
-    share the forward either). A drafter that reads every prompt token's hidden state gets
+    the same drafts are proposed and accepted (the default target's numerics are
+    batch-invariant, so the hidden states of the prompt tokens the target still runs do not
+    depend on how many share the forward either). A drafter that reads every prompt token's hidden state gets
     the cached prefix's states from the engine; one that reads the newest only needs none."""
-    llm = LLM(dtype="float32", engine={"batch_invariant": True}, speculative_config={"adaptive": False, **options})
+    llm = LLM(speculative_config={"adaptive": False, **options})
+    assert llm.engine.batch_invariant, "the default target's numerics are not batch-invariant here"
     first, again = (llm.chat(SHIPPED_CHECK_PROMPTS[:1], SHIPPED_CHECK_PARAMS)[0] for _ in range(2))
     assert first.metrics.num_cached_prompt_tokens == 0 < again.metrics.num_cached_prompt_tokens
     assert again.token_ids == first.token_ids == embedded_plain_chat()[0].token_ids
@@ -105,18 +120,19 @@ def follows_check_schema(value) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def embedded_plain_structured() -> tuple:
-    """Plain greedy float32 answers of the embedded model to :data:`STRUCTURED_CHECK_PROMPTS`
-    under :data:`STRUCTURED_CHECK_PARAMS` (computed once per process)."""
-    return tuple(LLM(dtype="float32").chat(STRUCTURED_CHECK_PROMPTS, STRUCTURED_CHECK_PARAMS))
+    """Plain greedy answers of the embedded model (``LLM()``'s defaults) to
+    :data:`STRUCTURED_CHECK_PROMPTS` under :data:`STRUCTURED_CHECK_PARAMS` (computed once per
+    process)."""
+    return tuple(embedded_llm().chat(STRUCTURED_CHECK_PROMPTS, STRUCTURED_CHECK_PARAMS))
 
 
 def check_structured_lossless(options: dict, min_accepted: int = 1):
     """Structured output under speculation is the constrained target's: on the embedded
-    model in float32, JSON-schema-constrained greedy output with the drafter (drafting
+    model (``LLM()``'s defaults), JSON-schema-constrained greedy output with the drafter (drafting
     every step unless ``options`` say ``adaptive: true``) equals plain constrained greedy
     output token for token, parses as JSON the schema accepts (or stops at ``max_tokens``),
     and at least ``min_accepted`` draft tokens were accepted. Returns the outputs."""
-    spec = LLM(dtype="float32", speculative_config={"adaptive": False, **options})
+    spec = LLM(speculative_config={"adaptive": False, **options})
     got = spec.chat(STRUCTURED_CHECK_PROMPTS, STRUCTURED_CHECK_PARAMS)
     for i, (a, b) in enumerate(zip(embedded_plain_structured(), got)):
         assert b.token_ids == a.token_ids, (f"prompt {i}: constrained output departs from plain constrained greedy "
