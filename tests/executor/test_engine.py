@@ -3,6 +3,7 @@
 import pytest
 import torch
 from helpers import first_divergence, near_tie_at
+from specdec_test_support import embedded
 
 from conftest import reference_greedy
 from specdec import LLM, DraftProposal, SamplingParams, TreeMask, hookimpl
@@ -328,13 +329,12 @@ STOP_PROMPTS = [[{"role": "user", "content": "List the days of the week, one per
 
 
 @pytest.mark.parametrize("method", ["ngram", "lookahead", "draft_target", "eagle", "eagle3"])
-def test_stop_strings_end_speculative_output_at_the_same_token_as_plain_output(smol, method):
+def test_stop_strings_end_speculative_output_at_the_same_token_as_plain_output(method):
     """Accepted drafts past the token completing a stop string are dropped (issue 10)."""
     params = SamplingParams(max_tokens=64, temperature=0.0, stop=["Thursday", "7,"])
-    plain = smol.chat(STOP_PROMPTS, params)
+    plain = embedded.embedded_llm().chat(STOP_PROMPTS, params)
     assert [o.finish_reason for o in plain] == ["stop", "stop"]
-    got = LLM(dtype="float32", speculative_config={"decoding_type": method, "adaptive": False}).chat(STOP_PROMPTS,
-                                                                                                   params)
+    got = LLM(speculative_config={"decoding_type": method, "adaptive": False}).chat(STOP_PROMPTS, params)
     for a, b in zip(plain, got):
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, "stop")
     assert sum(o.metrics.num_accepted_tokens for o in got) > 0 or method in ("ngram", "lookahead")
@@ -475,14 +475,13 @@ def test_drafter_faults_show_in_stats_metrics_and_bench(tiny_models, capsys):
 
 
 @pytest.mark.parametrize("method", ["draft_target", "eagle3"])  # model drafters: the penalty defeats copying
-def test_repetition_penalty_with_speculation_equals_plain(smol, method):
+def test_repetition_penalty_with_speculation_equals_plain(method):
     """The penalty is applied to every draft row with that row's own history (the drafts
     before it): speculative greedy output with a penalty is the plain one."""
     prompt = "Repeat this list twice: apple, pear, plum, fig, apple, pear, plum, fig."
     params = SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.2)
-    plain = smol.generate(prompt, params)[0]
-    got = LLM(dtype="float32", speculative_config={"decoding_type": method, "adaptive": False}).generate(prompt,
-                                                                                                        params)[0]
+    plain = embedded.embedded_llm().generate(prompt, params)[0]
+    got = LLM(speculative_config={"decoding_type": method, "adaptive": False}).generate(prompt, params)[0]
     assert got.token_ids == plain.token_ids
     assert got.metrics.num_accepted_tokens > 0
 

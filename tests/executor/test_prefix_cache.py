@@ -26,7 +26,7 @@ def conversation_hits(llm: LLM) -> tuple[list[str], int, int]:
 
 @pytest.fixture(scope="module")
 def plain_hits():
-    return conversation_hits(LLM(dtype="float32", engine={"compile": False}))
+    return conversation_hits(LLM())
 
 
 @pytest.mark.parametrize("method", ["ngram", "lookahead", "draft_target", "medusa", "eagle", "eagle3", "mtp",
@@ -34,8 +34,7 @@ def plain_hits():
 def test_every_method_hits_the_prefix_cache_as_plain_decoding_does(plain_hits, method):
     answers, queried, hits = plain_hits
     assert hits > queried / 2  # the earlier turns are found
-    spec = LLM(dtype="float32", engine={"compile": False},
-               speculative_config={"decoding_type": method, "adaptive": False})
+    spec = LLM(speculative_config={"decoding_type": method, "adaptive": False})
     spec_answers, spec_queried, spec_hits = conversation_hits(spec)
     assert spec_answers == answers
     assert spec.engine.totals.num_accepted_tokens > 0
