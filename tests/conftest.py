@@ -14,6 +14,32 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=UserWarning)
 
 
+#: the files whose end-to-end checks run ``LLM()``'s compiled default target (the embedded
+#: model's GGUF blocks, :func:`specdec_test_support.embedded.embedded_llm`)
+DEFAULT_TARGET_FILES = frozenset({
+    "tests/executor/test_engine.py", "tests/executor/test_prefix_cache.py", "tests/model/test_quantization.py",
+    "tests/serving/test_soak.py", *(f"plugins/spec_{name}/tests/test_{name}.py" for name in (
+        "draft_target", "eagle", "lookahead", "medusa", "mtp", "ngram", "redrafter", "suffix"))})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile`` (CI's command) a file's tests run on one worker, and the
+    :data:`DEFAULT_TARGET_FILES` on one worker together: it compiles the target's and the
+    drafters' graphs once for all of them, where each worker would compile them (a minute
+    or more a graph with torch's caches empty)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class DefaultTargetTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "the default target's files" if path in DEFAULT_TARGET_FILES else path
+
+    return DefaultTargetTogether(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """arch -> directory of a tiny random model of that architecture."""
