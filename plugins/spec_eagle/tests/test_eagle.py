@@ -40,8 +40,9 @@ def test_sampled_constrained_output_follows_the_masked_target():
 
 
 def test_preempted_requests_rebuild_the_draft_cache_and_stay_lossless():
-    plain = embedded.embedded_plain_chat()
-    llm = LLM(engine={"kv_cache_blocks": 32, "block_size": 4, "max_batch_size": 4},
+    # float32, eager: on the default target this small cache's engine took 80 s, caches empty
+    plain = LLM(dtype="float32").chat(PROMPTS, PARAMS)
+    llm = LLM(dtype="float32", engine={"kv_cache_blocks": 32, "block_size": 4, "max_batch_size": 4},
               speculative_config={"decoding_type": "eagle3"})
     preempted = []
     scheduler = llm.engine.scheduler
