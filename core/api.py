@@ -170,6 +170,7 @@ class LLM:
         if self.group is None:
             return TargetModel(model_obj, tokenizer, name, max_model_len=config.engine.max_model_len, path=path)
         shard_model(model_obj, 0, self.group.size, self.group)
+        self.group.loaded()
         return ShardedTarget(model_obj, tokenizer, name, self.group, max_model_len=config.engine.max_model_len,
                              path=path)
 

@@ -47,8 +47,9 @@ HEADER_BYTES = 8192
 
 #: numbers the groups of one torchrun program, so that several (one per LLM) share its store
 _GROUPS = itertools.count()
-#: what a failure while the ranks meet is reported as
+#: what a failure while the ranks meet, and while they load their shards, is reported as
 STARTING = "starting the group"
+LOADING = "loading the target"
 #: the least time the ranks are given to meet: a worker process imports torch and specdec
 #: first, which takes longer than a short ``distributed_timeout_s`` on a loaded machine
 JOIN_TIMEOUT_S = 60.0
@@ -174,7 +175,7 @@ class TensorParallelGroup:
         self._store = dist.TCPStore(address, port, self.size, is_master=master,
                                     timeout=datetime.timedelta(seconds=self._join_timeout_s))
         self._store.set_timeout(timeout)
-        prefix = f"specdec-tp-{next(_GROUPS)}" if launched_by_torchrun() else "specdec-tp"
+        self._prefix = prefix = f"specdec-tp-{next(_GROUPS)}" if launched_by_torchrun() else "specdec-tp"
         self.plan_group = _gloo(dist.PrefixStore(f"{prefix}/plan", self._store), self.rank, self.size, timeout)
         backend = _nccl if self.device.type == "cuda" else _gloo
         self.forward_group = backend(dist.PrefixStore(f"{prefix}/forward", self._store), self.rank, self.size, timeout)
@@ -186,6 +187,23 @@ class TensorParallelGroup:
         verdict = self._broadcast(_mismatch(prints[0][0], [p[0] for p in prints]) if self.rank == 0 else None)
         if verdict:
             raise ConfigError(verdict)
+
+    def loaded(self) -> None:
+        """Every rank calls this once its shard is loaded; it returns when all have. Ranks
+        load at their own pace (a loaded machine, a slower disk), so the wait is the join
+        timeout, not ``distributed_timeout_s``, and rank 0's heartbeats start only after it:
+        a heartbeat that a worker still loading cannot take would fail the group."""
+        store = dist.PrefixStore(f"{self._prefix}/loaded", self._store)
+        store.set(str(self.rank), "1")
+        keys = [str(rank) for rank in range(self.size)]
+        deadline = time.monotonic() + self._join_timeout_s
+        while True:
+            try:
+                store.wait(keys, datetime.timedelta(seconds=0.5))
+                break
+            except RuntimeError as exc:
+                if time.monotonic() > deadline or any(proc.poll() is not None for proc in self.workers):
+                    raise self._fail(LOADING, exc) from exc
         if self.rank == 0:
             self._heartbeat = threading.Thread(target=self._beat, name="specdec-tp-heartbeat", daemon=True)
             self._heartbeat.start()
@@ -258,7 +276,7 @@ class TensorParallelGroup:
             if dead:
                 who = ", ".join(f"rank {r} ({reason})" for r, reason in dead)
                 text = f"tensor-parallel worker {who} is gone while {what}"
-            elif what == STARTING:
+            elif what in (STARTING, LOADING):
                 text = (f"a tensor-parallel worker (ranks 1..{self.size - 1}) did not join within "
                         f"{self._join_timeout_s:g} s while {what}")
             else:

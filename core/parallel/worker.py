@@ -59,6 +59,7 @@ def run(config, group: TensorParallelGroup, dtype: torch.dtype) -> None:
     """Load this rank's shard of ``config``'s target and serve rank 0 until it stops."""
     model, path = load_weights(config.model, None, dtype, group.device)
     shard_model(model, group.rank, group.size, group)
+    group.loaded()
     serve(group, model, model_display_name(config.model, path))
 
 

@@ -104,6 +104,40 @@ def test_a_worker_that_dies_or_hangs_fails_requests_with_its_rank_and_leaves_no_
     assert worker.poll() is not None
 
 
+SLOW_LOADING_RANK = """
+import sys, time, torch
+from specdec.config_loading import config_from_dict
+from specdec.parallel import TensorParallelGroup
+from specdec.parallel.messages import Shutdown
+config = config_from_dict({"model": "unused", "engine": {"tensor_parallel_size": 2, "distributed_timeout_s": 1}})
+group = TensorParallelGroup.start(config, torch.device("cpu"))
+time.sleep(3)  # its shard loads for longer than distributed_timeout_s
+group.loaded()
+while not isinstance(group.receive(), Shutdown):
+    pass
+"""
+
+
+def test_a_rank_that_loads_its_shard_slowly_is_waited_for(monkeypatch):
+    """Ranks meet, load their shards at their own pace, then meet again: rank 0's heartbeats
+    start only once every rank is loaded, so a rank loading for longer than
+    ``distributed_timeout_s`` does not fail the group."""
+    from specdec.config_loading import config_from_dict
+    from specdec.parallel import TensorParallelGroup
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    rank1 = subprocess.Popen([sys.executable, "-c", SLOW_LOADING_RANK], env={**os.environ, **env, "RANK": "1"})
+    for name, value in {**env, "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    config = config_from_dict({"model": "unused", "engine": {"tensor_parallel_size": 2, "distributed_timeout_s": 1}})
+    group = TensorParallelGroup.start(config, torch.device("cpu"))
+    group.loaded()
+    time.sleep(4)  # idle: heartbeats go out and are taken
+    assert group.failure is None
+    group.close()
+    assert rank1.wait(timeout=30) == 0
+
+
 def test_a_worker_with_another_configuration_is_refused(tmp_path):
     """Under torchrun each rank reads its own options: rank 1 asks for another dtype."""
     model = str(tiny_model_dir(tmp_path, "llama"))

@@ -92,6 +92,8 @@ def test_a_killed_engine_process_fails_its_requests_and_a_new_one_serves(tmp_pat
                 lines = r.iter_lines()
                 while not next(lines).startswith("data: {"):
                     pass
+                while metrics(base)["specdec_running_requests"] < 2:  # the whole one is in flight too
+                    time.sleep(0.05)
                 os.kill(engine, signal.SIGKILL)
                 rest = [line for line in lines if line.startswith("data: ")]
             assert rest and rest[-1] != "data: [DONE]"
