@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from helpers import random_layout  # noqa: E402
 
 #: (name, (committed tokens, new tokens, tree?) per sequence)
-SHAPES = [("decode over 500 keys", [(500, 1, False)]), ("8 decodes over 300", [(300, 1, False)] * 8),
+SHAPES = [("decode over 500 keys", [(500, 1, False)]), ("decode over 3,000 keys", [(3000, 1, False)]),
+          ("4-token chain over 3,000", [(3000, 4, False)]), ("8 decodes over 300", [(300, 1, False)] * 8),
           ("12-token verification over 500", [(500, 12, False)]), ("11-node tree over 300", [(300, 11, True)]),
           ("300-token prompt chunk", [(0, 300, False)]), ("512-token prompt chunk", [(0, 512, False)])]
 

@@ -1,19 +1,21 @@
 // Batch-invariant attention on the CPU (specdec.kernels.cpu): the contract of
 // invariant_attention_triton, one key row per token (AttentionLayout.invariant_key_rows).
 //
-// Each query head of a token walks the token's own key row in column order; scores, softmax
-// and the weighted sum of values in float32, every addition in a fixed order (a dot
-// product's element i into lane i % LANES, the lanes added pairwise; key j's weight into
-// lane j % LANES; values summed in key order). A work item is a KV head of one token, or of
-// a tile of consecutive tokens sharing one row (a prompt chunk's, a draft chain's), which
-// widens that row to float once for all of them: the same numbers, since widening is exact.
-// Nothing a token computes depends on which or how many other tokens share the call, nor on
-// how the work is split across threads.
+// Each query head of a token walks the token's own key row in column order, in chunks of
+// KEY_CHUNK keys; scores, softmax and the weighted sum of values in float32, every addition
+// in a fixed order (a dot product's element i into lane i % LANES, the lanes added pairwise;
+// key j's weight into lane j % LANES; values summed in key order; the chunks added in
+// order). A work item is a KV head of one token, or of a tile of consecutive tokens sharing
+// one row (a prompt chunk's, a draft chain's), which widens that row to float once for all
+// of them: the same numbers, since widening is exact; where the items are fewer than the
+// threads, each chunk of them. Nothing a token computes depends on which or how many other
+// tokens share the call, nor on how the work is split across threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -149,27 +151,42 @@ inline float exp_nonpositive(float x) {
   return y * scale;
 }
 
-// One query head of one token over its key row (k_rows padded with zero keys to whole
-// blocks of LANES, v_rows the row's n values), into out. R is the rows' element type: the
-// pool's own, or float where a tile of tokens widened its shared row once (the same
-// numbers: widening a bfloat16 or half is exact).
-template <int64_t DIM, typename R, typename T>
-inline void attend_query(const float* q, const R* const* k_rows, const R* const* v_rows, int64_t n, int64_t dim,
-                         int64_t dim_v, float scale, float softcap, int64_t window, int64_t query_pos,
-                         const int64_t* key_pos, float* s, float* acc, T* out) {
+// A token's key row is attended in chunks of KEY_CHUNK keys (whole blocks of LANES), each
+// giving its own maximum score, sum of weights and weighted sum of values; the chunks are
+// then added in order, each rescaled to the row's maximum. Chunk boundaries are fixed
+// columns of the row, so a token's numbers do not depend on how the chunks are shared out
+// to threads: a lone decode token's long row is split across threads, a batch's rows are not.
+constexpr int64_t KEY_CHUNK = 256;
+
+// What one chunk of a query head's key row gives: the largest score (-inf where every key
+// of the chunk weighs nothing), the sum of exp(score - max) and the values weighed by it.
+struct ChunkPartial {
+  float top;
+  float total;
+};
+
+// One query head of one token over keys [lo, hi) of k_rows, a stretch of its key row from a
+// chunk boundary on (padded with zero keys to whole blocks of LANES; v_rows its values,
+// key_pos their positions), lo a multiple of LANES. R is the
+// rows' element type: the pool's own, or float where a tile of tokens widened its shared row
+// once (the same numbers: widening a bfloat16 or half is exact).
+template <int64_t DIM, typename R>
+inline ChunkPartial attend_chunk(const float* q, const R* const* k_rows, const R* const* v_rows, int64_t lo,
+                                 int64_t hi, int64_t dim, int64_t dim_v, float scale, float softcap, int64_t window,
+                                 int64_t query_pos, const int64_t* key_pos, float* s, float* acc) {
   const float inf = std::numeric_limits<float>::infinity();
   if (window > 0) {
     // whole blocks of keys before the first one inside the window weigh nothing: they are
     // not scored. A kept key stays in its lane, so every sum below is the one it was.
-    int64_t first = 0;
-    while (first < n && query_pos - key_pos[first] >= window) ++first;
-    const int64_t skip = first / LANES * LANES;
-    k_rows += skip;
-    v_rows += skip;
-    key_pos += skip;
-    n -= skip;
+    int64_t first = lo;
+    while (first < hi && query_pos - key_pos[first] >= window) ++first;
+    lo = first / LANES * LANES;
   }
-  const int64_t blocks = (n + LANES - 1) / LANES;
+  if (lo >= hi) return {-inf, 0.0f};
+  const int64_t n = hi - lo, blocks = (n + LANES - 1) / LANES;
+  k_rows += lo;
+  v_rows += lo;
+  key_pos += lo;
   for (int64_t b = 0; b < blocks; ++b) store_lanes(s + b * LANES, block_scores<DIM>(q, k_rows + b * LANES, dim) * scale);
   if (softcap > 0.0f)
     for (int64_t j = 0; j < n; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
@@ -186,15 +203,33 @@ inline void attend_query(const float* q, const R* const* k_rows, const R* const*
   }
   float m = top[0];
   for (int64_t l = 1; l < LANES; ++l) m = top[l] > m ? top[l] : m;
+  if (m == -inf) return {-inf, 0.0f};
   for (int64_t j = 0; j < blocks * LANES; ++j) {
     const float e = exp_nonpositive(s[j] - m);
     s[j] = s[j] == -inf ? 0.0f : e;
   }
   lanes_t total = {};
   for (int64_t b = 0; b < blocks; ++b) total += load_lanes(s + b * LANES);
-  const float inv = 1.0f / reduce_lanes(total);
   weigh_values<DIM>(s, v_rows, n, dim_v, acc);
-  for (int64_t d = 0; d < dim_v; ++d) out[d] = static_cast<T>(acc[d] * inv);
+  return {m, reduce_lanes(total)};
+}
+
+// A query head's result from its row's chunks, added in order at the row's maximum (one
+// chunk: exp(0) = 1, its own numbers).
+template <typename T>
+inline void add_chunks(const ChunkPartial* parts, const float* accs, int64_t chunks, int64_t dim_v, float* sums,
+                       T* out) {
+  float m = -std::numeric_limits<float>::infinity(), total = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) m = parts[c].top > m ? parts[c].top : m;
+  for (int64_t d = 0; d < dim_v; ++d) sums[d] = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (parts[c].top == -std::numeric_limits<float>::infinity()) continue;
+    const float w = exp_nonpositive(parts[c].top - m);
+    total += parts[c].total * w;
+    for (int64_t d = 0; d < dim_v; ++d) sums[d] += accs[c * dim_v + d] * w;
+  }
+  const float inv = 1.0f / total;
+  for (int64_t d = 0; d < dim_v; ++d) out[d] = static_cast<T>(sums[d] * inv);
 }
 
 // Most tokens of a tile: the consecutive tokens that share one key row (a causal sequence's
@@ -202,91 +237,128 @@ inline void attend_query(const float* q, const R* const* k_rows, const R* const*
 // to float once for all of them and their query heads.
 constexpr int64_t TILE = 16;
 
+// How a call's work is shared out: with fewer tiles times KV heads than twice the threads
+// (a lone decode, a short chain) each chunk of a tile's KV head is a work item, and a second
+// pass adds each query head's chunks (`split`); otherwise a work item is a tile's KV head
+// with all its chunks, added as they are made.
+struct Plan {
+  std::vector<int64_t> tiles;    // first token of each tile, then tokens
+  std::vector<int64_t> order;    // tiles in zigzag order
+  std::vector<char> repeats;     // per token: the same query, row and position as the token before
+  int64_t chunks = 0;            // chunks of the longest row
+  bool split = false;
+};
+
 template <typename T, int64_t DIM>
 void attend(const float* query, const T* keys, const T* values, T* out, const int64_t* slots,
             const int64_t* key_pos, const int64_t* offset, const int64_t* count, const int64_t* query_pos,
             int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, int64_t dim_v, int64_t key_stride,
             int64_t value_stride, float scale, float softcap, int64_t window) {
   const int64_t rep = heads / kv_heads;
-  std::vector<int64_t> tiles;  // first token of each tile, then tokens
-  for (int64_t t = 0; t < tokens; ++t)
-    if (t == 0 || offset[t] != offset[t - 1] || t - tiles.back() == TILE) tiles.push_back(t);
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  tiles.push_back(tokens);
+  Plan plan;
+  plan.repeats.assign(tokens, 0);
+  int64_t longest = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (t == 0 || offset[t] != offset[t - 1] || t - plan.tiles.back() == TILE) plan.tiles.push_back(t);
+    // a token given twice (a decode step runs its token twice) takes the answer the token
+    // before it got
+    plan.repeats[t] = t > plan.tiles.back() && count[t] == count[t - 1] && query_pos[t] == query_pos[t - 1] &&
+                      std::memcmp(query + t * heads * dim, query + (t - 1) * heads * dim, heads * dim * sizeof(float)) == 0;
+    longest = count[t] > longest ? count[t] : longest;
+  }
+  const int64_t num_tiles = static_cast<int64_t>(plan.tiles.size());
+  plan.tiles.push_back(tokens);
   // items in zigzag order over the tiles (first, last, second, second to last, ...): a
   // prompt chunk's later tiles have longer rows, and each thread takes a contiguous range
-  std::vector<int64_t> order(num_tiles);
-  for (int64_t i = 0; i < num_tiles; ++i) order[i] = i % 2 ? num_tiles - 1 - i / 2 : i / 2;
+  plan.order.resize(num_tiles);
+  for (int64_t i = 0; i < num_tiles; ++i) plan.order[i] = i % 2 ? num_tiles - 1 - i / 2 : i / 2;
+  plan.chunks = (longest + KEY_CHUNK - 1) / KEY_CHUNK;
+  plan.split = plan.chunks > 1 && num_tiles * kv_heads < 2 * at::get_num_threads();
+  const int64_t chunk_items = plan.split ? plan.chunks : 1;
+  // the split partials: [token][head][chunk] (each token's own chunks; the rest unused)
+  std::vector<ChunkPartial> parts(plan.split ? tokens * heads * plan.chunks : 0);
+  std::vector<float> part_accs(plan.split ? tokens * heads * plan.chunks * dim_v : 0);
   const std::vector<T> zeros(dim);  // the key of a block's missing columns
   const std::vector<float> zeros_wide(dim);
-  at::parallel_for(0, num_tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_tiles * kv_heads * chunk_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<const T*> k_rows, v_rows;
     std::vector<const float*> k_wide, v_wide;
-    std::vector<float> scores, acc(dim_v), k_buf, v_buf;
-    std::vector<char> repeats;
+    std::vector<float> scores(KEY_CHUNK), sums(dim_v), k_buf, v_buf;
+    std::vector<ChunkPartial> own(plan.split ? 0 : plan.chunks);
+    std::vector<float> own_accs(plan.split ? 0 : plan.chunks * dim_v);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t tile = order[item / kv_heads], g = item % kv_heads;
-      const int64_t first = tiles[tile], last = tiles[tile + 1];
-      int64_t longest = 0;
-      for (int64_t t = first; t < last; ++t) longest = count[t] > longest ? count[t] : longest;
+      const int64_t tile = plan.order[item / (kv_heads * chunk_items)], g = item / chunk_items % kv_heads;
+      const int64_t first = plan.tiles[tile], last = plan.tiles[tile + 1];
+      int64_t row = 0;  // the tile's longest row
+      for (int64_t t = first; t < last; ++t) row = count[t] > row ? count[t] : row;
+      const int64_t c_lo = plan.split ? item % chunk_items : 0;
+      const int64_t c_hi = plan.split ? c_lo + 1 : (row + KEY_CHUNK - 1) / KEY_CHUNK;
+      if (c_lo * KEY_CHUNK >= row) continue;
+      const int64_t k_lo = c_lo * KEY_CHUNK, k_hi = std::min(c_hi * KEY_CHUNK, row);
       const int64_t* row_slots = slots + offset[first];
-      scores.resize((longest + LANES - 1) / LANES * LANES);
-      // a token given twice (a decode step runs its token twice) takes the answer the token
-      // before it got; a tile of one token and its copies reads the pool's rows as they are
-      repeats.assign(last - first, 0);
-      int64_t distinct = 1;
-      for (int64_t t = first + 1; t < last; ++t) {
-        repeats[t - first] = count[t] == count[t - 1] && query_pos[t] == query_pos[t - 1] &&
-                             std::memcmp(query + (t * heads + g * rep) * dim, query + ((t - 1) * heads + g * rep) * dim,
-                                         rep * dim * sizeof(float)) == 0;
-        distinct += !repeats[t - first];
-      }
-      const auto copy_previous = [&](int64_t t) {
-        std::memcpy(out + (t * heads + g * rep) * dim_v, out + ((t - 1) * heads + g * rep) * dim_v,
-                    rep * dim_v * sizeof(T));
-      };
-      if (distinct == 1) {
-        const int64_t t = first, n = count[t];
-        k_rows.assign((n + LANES - 1) / LANES * LANES, zeros.data());
-        v_rows.resize(n);
-        for (int64_t j = 0; j < n; ++j) {
-          k_rows[j] = keys + row_slots[j] * key_stride + g * dim;
-          v_rows[j] = values + row_slots[j] * value_stride + g * dim_v;
+      int64_t distinct = 0;
+      for (int64_t t = first; t < last; ++t) distinct += !plan.repeats[t];
+      // a tile of one token and its copies reads the pool's rows as they are; a tile of
+      // several widens the keys of its chunks to float once for all of them
+      const bool widen = distinct > 1;
+      // the item's keys [k_lo, k_hi), padded with zero keys to whole blocks
+      const int64_t width = (k_hi - k_lo + LANES - 1) / LANES * LANES;
+      if (!widen) {
+        k_rows.assign(width, zeros.data());
+        v_rows.resize(k_hi - k_lo);
+        for (int64_t j = k_lo; j < k_hi; ++j) {
+          k_rows[j - k_lo] = keys + row_slots[j] * key_stride + g * dim;
+          v_rows[j - k_lo] = values + row_slots[j] * value_stride + g * dim_v;
         }
-        for (int64_t h = g * rep; h < (g + 1) * rep; ++h)
-          attend_query<DIM>(query + (t * heads + h) * dim, k_rows.data(), v_rows.data(), n, dim, dim_v, scale,
-                            softcap, window, query_pos[t], key_pos + offset[t], scores.data(), acc.data(),
-                            out + (t * heads + h) * dim_v);
-        for (int64_t u = first + 1; u < last; ++u) copy_previous(u);
-        continue;
-      }
-      k_buf.resize(longest * dim);
-      v_buf.resize(longest * dim_v);
-      for (int64_t j = 0; j < longest; ++j) {
-        const T* k = keys + row_slots[j] * key_stride + g * dim;
-        const T* v = values + row_slots[j] * value_stride + g * dim_v;
-        for (int64_t d = 0; d < dim; ++d) k_buf[j * dim + d] = static_cast<float>(k[d]);
-        for (int64_t d = 0; d < dim_v; ++d) v_buf[j * dim_v + d] = static_cast<float>(v[d]);
+      } else {
+        k_buf.resize((k_hi - k_lo) * dim);
+        v_buf.resize((k_hi - k_lo) * dim_v);
+        k_wide.assign(width, zeros_wide.data());
+        v_wide.resize(k_hi - k_lo);
+        for (int64_t j = k_lo; j < k_hi; ++j) {
+          const T* k = keys + row_slots[j] * key_stride + g * dim;
+          const T* v = values + row_slots[j] * value_stride + g * dim_v;
+          float* kw = k_buf.data() + (j - k_lo) * dim;
+          float* vw = v_buf.data() + (j - k_lo) * dim_v;
+          for (int64_t d = 0; d < dim; ++d) kw[d] = static_cast<float>(k[d]);
+          for (int64_t d = 0; d < dim_v; ++d) vw[d] = static_cast<float>(v[d]);
+          k_wide[j - k_lo] = kw;
+          v_wide[j - k_lo] = vw;
+        }
       }
       for (int64_t t = first; t < last; ++t) {
-        if (repeats[t - first]) {
-          copy_previous(t);
-          continue;
+        if (plan.repeats[t]) continue;
+        const int64_t n = count[t], t_chunks = (n + KEY_CHUNK - 1) / KEY_CHUNK;
+        const int64_t* t_pos = key_pos + offset[t] + k_lo;
+        for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
+          ChunkPartial* p = plan.split ? parts.data() + (t * heads + h) * plan.chunks : own.data();
+          float* a = plan.split ? part_accs.data() + (t * heads + h) * plan.chunks * dim_v : own_accs.data();
+          for (int64_t c = c_lo; c < c_hi && c < t_chunks; ++c) {
+            const int64_t lo = c * KEY_CHUNK - k_lo, hi = std::min(c * KEY_CHUNK + KEY_CHUNK, n) - k_lo;
+            const float* q = query + (t * heads + h) * dim;
+            p[c] = widen ? attend_chunk<DIM>(q, k_wide.data(), v_wide.data(), lo, hi, dim, dim_v, scale, softcap,
+                                             window, query_pos[t], t_pos, scores.data(), a + c * dim_v)
+                         : attend_chunk<DIM>(q, k_rows.data(), v_rows.data(), lo, hi, dim, dim_v, scale, softcap,
+                                             window, query_pos[t], t_pos, scores.data(), a + c * dim_v);
+          }
+          if (!plan.split) add_chunks(p, a, t_chunks, dim_v, sums.data(), out + (t * heads + h) * dim_v);
         }
-        const int64_t n = count[t];
-        k_wide.assign((n + LANES - 1) / LANES * LANES, zeros_wide.data());
-        v_wide.resize(n);
-        for (int64_t j = 0; j < n; ++j) {
-          k_wide[j] = k_buf.data() + j * dim;
-          v_wide[j] = v_buf.data() + j * dim_v;
-        }
-        for (int64_t h = g * rep; h < (g + 1) * rep; ++h)
-          attend_query<DIM>(query + (t * heads + h) * dim, k_wide.data(), v_wide.data(), n, dim, dim_v, scale,
-                            softcap, window, query_pos[t], key_pos + offset[t], scores.data(), acc.data(),
-                            out + (t * heads + h) * dim_v);
       }
     }
   });
+  if (plan.split)
+    at::parallel_for(0, tokens * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> sums(dim_v);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / heads;
+        if (!plan.repeats[t])
+          add_chunks(parts.data() + i * plan.chunks, part_accs.data() + i * plan.chunks * dim_v,
+                     (count[t] + KEY_CHUNK - 1) / KEY_CHUNK, dim_v, sums.data(), out + i * dim_v);
+      }
+    });
+  // a repeated token's answer is the token's before it (in token order: a run of copies)
+  for (int64_t t = 0; t < tokens; ++t)
+    if (plan.repeats[t]) std::memcpy(out + t * heads * dim_v, out + (t - 1) * heads * dim_v, heads * dim_v * sizeof(T));
 }
 
 at::Tensor invariant_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,

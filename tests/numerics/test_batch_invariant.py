@@ -161,27 +161,36 @@ def test_the_mode_runs_the_cpu_kernel_where_a_compiler_is_found(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cpu" or shutil.which("c++") is None, reason="the C++ kernel is the CPU's")
-@pytest.mark.parametrize("window", [None, 40])
-def test_a_token_given_twice_gets_its_answer_alone_in_both_copies(window):
+@pytest.mark.parametrize("window", [None, 40, 300])
+def test_a_token_gets_its_answer_alone_however_its_row_is_shared_out(window):
     """A compiled decode step runs its token twice: both copies get, bit for bit, what the
     token gets alone, whether the copies are a tile of their own or sit among other tokens
-    of the same key row (a prompt chunk's, whose row the kernel widens once)."""
+    of the same key row (a prompt chunk's, whose row the kernel widens once). Rows longer
+    than a chunk of keys are split across threads where the work items are few (4 threads)
+    and not at all on one thread: the same bits either way."""
     assert kernel_available()
     gen = torch.Generator().manual_seed(0)
-    keys, values = (torch.randn(300, 2, 64, generator=gen).bfloat16() for _ in range(2))
-    slots, key_pos = torch.randperm(300, generator=gen)[:200], torch.arange(200)
+    keys, values = (torch.randn(1000, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    slots, key_pos = torch.randperm(1000, generator=gen)[:800], torch.arange(800)
     query = torch.randn(4, 3, 64, generator=gen).bfloat16()  # heads, three distinct tokens, dim
+    counts = (800, 650, 120)
 
-    def attend(tokens: list[int], count: list[int]) -> torch.Tensor:
-        n = len(tokens)
-        return cpu.attend_key_rows(query[:, tokens], keys, values, slots, key_pos, torch.zeros(n, dtype=torch.long),
-                                   torch.tensor(count), torch.tensor(count) - 1, 0.125, window, None)
+    def attend(tokens: list[int]) -> torch.Tensor:
+        count, offset = torch.tensor([counts[t] for t in tokens]), torch.zeros(len(tokens), dtype=torch.long)
+        return cpu.attend_key_rows(query[:, tokens], keys, values, slots, key_pos, offset, count, count - 1, 0.125,
+                                   window, None)
 
-    alone = [attend([t], [c])[0] for t, c in ((0, 200), (1, 150), (2, 120))]
-    for got in (attend([0, 0], [200, 200]), attend([2, 1, 1, 0, 0], [120, 150, 150, 200, 200])):
-        rows = [0, 0] if len(got) == 2 else [2, 1, 1, 0, 0]
-        for row, token in zip(got, rows):
-            assert torch.equal(row, alone[token])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [attend([t])[0] for t in range(3)]
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            for tokens in ([0], [0, 0], [2, 1, 1, 0, 0], [2, 1, 0] * 6 + [0]):
+                for row, token in zip(attend(tokens), tokens):
+                    assert torch.equal(row, alone[token]), f"{n} threads, token {token} of {tokens}"
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
