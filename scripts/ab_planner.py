@@ -85,9 +85,9 @@ def main() -> None:
     batch_seconds: dict[tuple[str, int], float] = {}
     texts: dict[str, list[str]] = {}
     for rep in range(args.repetitions):
-        llms = {"plain": LLM(dtype="bfloat16")}
+        llms = {"plain": LLM()}
         for label, settings in zip(labels[1:], variants):
-            llms[label] = LLM(dtype="bfloat16", speculative_config={"decoding_type": args.method})
+            llms[label] = LLM(speculative_config={"decoding_type": args.method})
             set_planner_attributes(llms[label], settings)
         for llm in llms.values():
             llm.chat([WARMUP], SamplingParams(max_tokens=4, temperature=0.0))
@@ -106,7 +106,7 @@ def main() -> None:
         gc.collect()
     plain = tokens["plain"] / seconds["plain"]
     print(f"# {len(conversations)} requests at batch {args.batch_size}, {args.max_tokens} tokens, "
-          f"{args.repetitions} repetitions, {args.threads} threads, bfloat16")
+          f"{args.repetitions} repetitions, {args.threads} threads, the default target")
     for label in labels:
         rate = tokens[label] / seconds[label]
         same = sum(a == b for a, b in zip(texts[label], texts["plain"]))

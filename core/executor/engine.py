@@ -104,7 +104,8 @@ class Engine:
                                else paged_attention_is_triton(target.device))
         #: every rule of how much each request drafts (None without speculation)
         self.planner = (DraftPlanner.for_config(spec, padded_attention=not attention_is_kernel,
-                                                tree_batch=self.batch_invariant and not attention_is_kernel)
+                                                tree_batch=self.batch_invariant and not attention_is_kernel,
+                                                min_rows=target.lone_token_rows)
                         if spec is not None else None)
         self.drafts = DraftStage(self.hooks, self.planner, self.kv, target.vocab_size, self.max_model_len,
                                  spec.decoding_type if spec is not None else "drafter")

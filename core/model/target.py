@@ -433,6 +433,13 @@ class TargetModel:
         if self._norm is not None:
             self.capture_hidden_layers([-1])
 
+    @property
+    def lone_token_rows(self) -> int:
+        """Rows a forward of one token runs: two on the batch-invariant compiled graph (a lone
+        token runs twice, :meth:`_invariant_logits`), so a decode step's first draft token
+        adds no row there; one elsewhere."""
+        return 2 if self._compiled is not None and self._invariant else 1
+
     def _graph_states(self, layers: frozenset[int]) -> frozenset[int]:
         """The states a compiled forward asked for ``layers`` keeps: the final norm's too,
         where there is one, so that plain decoding and the drafters that read the last state

@@ -712,3 +712,21 @@ def test_the_budget_pays_candidates_in_order_while_it_holds_their_tokens():
     step = lambda tokens, widest, drafting: 1.0 + 0.25 * tokens  # noqa: E731
     assert budget.paid_from([2, 0, 1], lambda i: 1, load, step) == [2, 0]  # 0.25 each, the third not held
     assert load.tokens == 6 and budget.credit == pytest.approx(0.1)
+
+
+def test_a_lone_decode_that_runs_two_rows_prices_its_first_draft_token_at_no_row():
+    """The batch-invariant compiled graph runs a lone token twice (``min_rows`` 2): a
+    decode's first draft token adds no row there. A draft accepted an eighth of the time,
+    where a row costs a sixth of a step, pays there; priced as one row more, it does not."""
+    from specdec.executor.planner import DraftPlanner, StepShape
+
+    costs = FixedCosts(step=0.01, per_token=0.002, per_level=0.0)
+    chosen = {}
+    for min_rows in (1, 2):
+        planner = DraftPlanner(nodes_for_depth=lambda depth: depth, probe_interval=10**6, probe_share=0.0,
+                               costs=costs, min_rows=min_rows)
+        req = request("r")
+        for i in range(100):
+            planner.observe(req, None, 1, int(i % 8 == 0))
+        (chosen[min_rows],) = planner.plan([req], [(1, 1)], StepShape([(100, 1)], padded=False))
+    assert chosen == {1: (0, 0), 2: (1, 1)}

@@ -66,15 +66,19 @@ class DraftPlanner:
     ``stats`` is the engine-wide acceptance, the prior of every request's own; ``costs``
     the step and drafting costs (learnt from the clock unless given); ``probes`` the probe
     budget; ``aux_tokens`` the mean number of aux tokens a proposal brings (lookahead's
-    window), which drafting costs in the target forward whatever depth is verified.
+    window), which drafting costs in the target forward whatever depth is verified;
+    ``min_rows`` the rows the target's forward runs at least (2 where a lone token runs
+    twice): a step's tokens are priced and observed as at least that many, so that the
+    first draft token of a lone decode costs what it does there, no matrix row.
     """
 
     def __init__(self, nodes_for_depth: Callable[[int], int], probe_interval: int, probe_share: float = 0.03,
                  chain_or_tree: bool = False, adaptive: bool = True,
                  shape_for_batch: Callable[[int], tuple[int, int]] | None = None,
                  pause: LowAcceptancePause | None = None, costs: StepCostModel | FixedCosts | None = None,
-                 padded_attention: bool = False, tree_batch: bool = False):
+                 padded_attention: bool = False, tree_batch: bool = False, min_rows: int = 1):
         self.nodes_for_depth = nodes_for_depth
+        self.min_rows = min_rows
         self.shape_for_batch = shape_for_batch
         self.adaptive = adaptive
         self.pause = pause
@@ -95,16 +99,17 @@ class DraftPlanner:
         self.request_prior_weight = attrs.fields(AcceptanceStats).prior_weight.default
 
     @classmethod
-    def for_config(cls, spec: SpeculativeConfig, padded_attention: bool, tree_batch: bool) -> DraftPlanner:
+    def for_config(cls, spec: SpeculativeConfig, padded_attention: bool, tree_batch: bool,
+                   min_rows: int = 1) -> DraftPlanner:
         """The planner of an engine speculating with ``spec`` whose attention pads groups
         of sequences (``padded_attention``) and runs a step's draft trees as a batch of their
-        own (``tree_batch``): see :mod:`.depth_choice`."""
+        own (``tree_batch``): see :mod:`.depth_choice`; ``min_rows`` as in the class."""
         pause = (LowAcceptancePause(spec.min_acceptance_rate, spec.acceptance_window, spec.retry_after)
                  if spec.min_acceptance_rate > 0 else None)
         # the config is frozen: its shapes are worked out once per depth and batch size
         return cls(functools.cache(spec.nodes_for_depth), spec.probe_interval, chain_or_tree=spec.chain_or_tree,
                    adaptive=spec.is_adaptive, shape_for_batch=functools.cache(spec.draft_shape_for_batch),
-                   pause=pause, padded_attention=padded_attention, tree_batch=tree_batch)
+                   pause=pause, padded_attention=padded_attention, tree_batch=tree_batch, min_rows=min_rows)
 
     # -- before drafting ----------------------------------------------------------------
 
@@ -181,8 +186,9 @@ class DraftPlanner:
         """A step of ``num_tokens`` target tokens doing ``work`` attention, ``widest`` the
         most new tokens of one decoding sequence, took ``seconds``: the cost model learns
         it, and probes earn their share of its estimate (:meth:`ProbeBudget.earn`)."""
-        self.costs.observe_step(num_tokens, work, seconds, widest)
-        self.probes.earn(self.costs.step_seconds(num_tokens, work, widest))
+        rows = max(num_tokens, self.min_rows)
+        self.costs.observe_step(rows, work, seconds, widest)
+        self.probes.earn(self.costs.step_seconds(rows, work, widest))
 
     def _overdue_first(self, reqs: list, candidates: list[int]) -> list[int]:
         """The requests among ``candidates`` due for a probe, the longest overdue first."""
@@ -209,7 +215,7 @@ class DraftPlanner:
         """The step's estimated seconds by its target tokens, widest sequence and number of
         requests verifying drafts (``trees``: the drafts are trees)."""
         return lambda tokens, widest, drafting: self.costs.step_seconds(
-            tokens, shape.work_at(tokens, widest, drafting, trees), widest)
+            max(tokens, self.min_rows), shape.work_at(tokens, widest, drafting, trees), widest)
 
     def plan(self, reqs: list, caps: list[tuple[int, int]], shape: StepShape) -> list[tuple[int, int]]:
         """The (depth, nodes) to ask each request's drafter for, within ``caps`` (depth,
