@@ -122,7 +122,8 @@ class DraftStage:
             self._fault([reqs[i] for i in speculating], "prepare_draft_tokens raised", exc)
             got = None
         self.seconds = time.perf_counter() - started
-        self.planner.observe_drafting(max(shapes[i][0] for i in speculating), self.seconds,
+        self.planner.observe_drafting([reqs[i] for i in speculating], max(shapes[i][0] for i in speculating),
+                                      self.seconds,
                                       trees=any(shapes[i][1] > shapes[i][0] for i in speculating))
         answered = []  # requests whose drafter answered without a fault
         for i, prop in zip(speculating, got or []):

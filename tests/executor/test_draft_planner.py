@@ -57,7 +57,7 @@ def test_flat_cost_drafts_everything_useful_and_steep_cost_nothing():
 def test_draft_cost_can_make_drafting_unprofitable():
     cpu = lambda n, *_: 0.035 + 0.0008 * n  # a step's cost on the embedded model: fixed plus per token
     assert best_depths([chain(0.5, 4)], 1, cpu) == [4]
-    assert best_depths([chain(0.5, 4)], 1, cpu, lambda depth: 0.040 * depth) == [0]
+    assert best_depths([chain(0.5, 4)], 1, cpu, lambda depth, tokens: 0.040 * depth) == [0]
 
 
 def test_batch_choice_gives_drafts_to_the_requests_that_earn_them():
@@ -605,7 +605,7 @@ def test_prompt_chunks_are_no_jump_for_the_cost_model(tiny_models):
     assert sum(prefill and widest == 1 for prefill, _, widest in seen) >= 5  # 16-token chunks of 104 tokens
 
 
-def test_a_dynamic_tree_drafter_gets_the_chain_or_the_tree_whichever_pays_more_for_the_request():
+def test_a_tree_drafter_gets_the_chain_or_the_tree_whichever_pays_more_for_the_request():
     """With ``chain_or_tree`` the planner keeps one estimate for the trees (``TREE_KIND``)
     and one for the chains, and asks each request for the shape that pays more: a request
     whose chains are accepted deep gets a chain (a tree's extra nodes would cost more than
@@ -633,7 +633,8 @@ def test_a_dynamic_tree_drafter_gets_the_chain_or_the_tree_whichever_pays_more_f
         planner.request_stats(fresh).observe(None, depth=3, accepted=0)
     ((depth, nodes),) = planner.plan([fresh], [(3, 10)], shape)
     assert nodes > depth > 0
-    # without chain_or_tree (static trees, Medusa): the tree, its nodes from the depth
+    # without chain_or_tree (a method whose drafter cannot draft a chain in place of its
+    # tree): the tree, its nodes from the depth
     plain = DraftPlanner(nodes_for_depth=lambda depth: 3 * depth + 1, probe_interval=4)
     plain.costs = cheap_tokens()
     plain.request_stats(copying).counts = planner.request_stats(copying).counts
@@ -647,6 +648,38 @@ def test_chains_and_trees_are_timed_apart_when_drafted():
     costs.observe_draft(2, 0.002)
     assert costs.draft_seconds(3) == pytest.approx(0.003)
     assert costs.draft_seconds(3, trees=True) == pytest.approx(0.006)
+
+
+def test_a_drafters_catch_up_after_a_pause_is_priced_apart_from_its_levels():
+    """A drafter reading the target's states first runs the tokens its requests gained
+    since it was last asked: after a pause (a new request's prompt, steps without drafts)
+    that is hundreds of tokens. Divided among the levels, a level looked three times its
+    price and drafts stayed off where a chain of one paid."""
+    level, call, per_token = 0.0008, 0.0002, 0.00001
+    costs = StepCostModel()
+    for depth, caught_up in [(1, 300), (1, 2), (2, 3), (1, 2), (1, 120), (3, 2), (1, 3), (2, 2), (1, 40), (1, 2)]:
+        costs.observe_draft(depth, call + level * depth + per_token * caught_up, caught_up=caught_up)
+    assert costs.draft_seconds(1, caught_up=2) == pytest.approx(call + level + 2 * per_token, rel=0.02)
+    assert costs.draft_seconds(3) - costs.draft_seconds(2) == pytest.approx(level, rel=0.02)
+    assert costs.draft_seconds(1, caught_up=300) == pytest.approx(call + level + 300 * per_token, rel=0.02)
+
+
+def test_the_planner_counts_what_each_request_gained_since_its_drafter_was_last_asked():
+    seen = []
+
+    class Recorded(FixedCosts):
+        def observe_draft(self, depth, seconds, trees=False, caught_up=0):
+            seen.append(caught_up)
+
+    planner = DraftPlanner(nodes_for_depth=lambda depth: depth, probe_interval=4, costs=Recorded())
+    new, old = types.SimpleNamespace(request_id="new", token_ids=list(range(50))), \
+        types.SimpleNamespace(request_id="old", token_ids=list(range(80)))
+    planner.state(old).drafted_at = 77
+    planner.observe_drafting([new, old], 2, 0.001, trees=False)
+    new.token_ids += [1, 2]
+    planner.observe_drafting([new], 1, 0.001, trees=False)
+    assert seen == [50 + 3, 2]
+    assert planner.state(old).drafted_at == 80
 
 
 def test_the_chain_inside_a_dynamic_tree_is_its_path_of_first_children():

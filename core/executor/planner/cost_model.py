@@ -13,8 +13,57 @@ import math
 import attrs
 
 
+class DecayedLeastSquares:
+    """Least squares of ``y`` on a few features, older observations forgotten geometrically
+    (``forgetting`` per observation) so that the fit follows a machine that speeds up or
+    slows down; :meth:`fit` keeps the best fit with no negative coefficient."""
+
+    def __init__(self, size: int, forgetting: float):
+        self.forgetting = forgetting
+        self.xtx = [[0.0] * size for _ in range(size)]
+        self.xty = [0.0] * size
+        self.yty = 0.0
+        self.count = 0
+
+    def observe(self, x: tuple[float, ...], y: float) -> None:
+        f, n = self.forgetting, len(self.xty)
+        for i in range(n):
+            self.xty[i] = f * self.xty[i] + x[i] * y
+            for j in range(n):
+                self.xtx[i][j] = f * self.xtx[i][j] + x[i] * x[j]
+        self.yty = f * self.yty + y * y
+        self.count += 1
+
+    def weight(self) -> float:
+        """The decayed number of observations, where the first feature is always 1."""
+        return self.xtx[0][0]
+
+    def mean(self, i: int) -> float:
+        """The decayed mean of feature ``i``, where the first feature is always 1."""
+        return self.xtx[0][i] / self.xtx[0][0]
+
+    def fit(self, subsets: list[tuple[int, ...]]) -> list[float] | None:
+        """The coefficients (0 for a feature left out) of the subset of features whose fit
+        leaves the least residual with none negative; ties go to the earlier subset."""
+        n = len(self.xty)
+        best, best_residual = None, math.inf
+        for features in subsets:
+            beta = _solve([[self.xtx[i][j] + (1e-9 * self.xtx[i][i] if i == j else 0.0) for j in features]
+                           for i in features], [self.xty[i] for i in features])
+            if beta is None or any(v < 0 for v in beta):
+                continue
+            full = [0.0] * n
+            for i, v in zip(features, beta):
+                full[i] = v
+            residual = self.yty - 2 * sum(full[i] * self.xty[i] for i in range(n)) + sum(
+                full[i] * self.xtx[i][j] * full[j] for i in range(n) for j in range(n))
+            if residual < best_residual - 1e-15:
+                best, best_residual = full, residual
+        return best
+
+
 class StepCostModel:
-    """Seconds of a step, ``a + d * [widest > 1] + b * tokens + c * work``, and of drafting per level.
+    """Seconds of a step, ``a + d * [widest > 1] + b * tokens + c * work``, and of drafting.
 
 ``tokens`` is the number of target tokens in the step's forward (weights are streamed
 once per step, each token adds matmul rows); ``work`` the attention it does in thousands
@@ -23,37 +72,36 @@ where every decoding sequence has one new token to one where some sequence (``wi
 verifies drafts: a compiled target runs one token through a graph of its own, so the first
 draft token can cost more than each later one. Prompt chunks do not count as wide (their
 cost is in ``tokens`` and ``work``). The jump is fitted only while both kinds of step have
-been seen recently. The coefficients come from least squares over every step seen, older
-steps forgotten geometrically so that the model follows a machine that speeds up or slows
-down, none of them negative (the best fit over the subsets of features is kept).
+been seen recently.
+
+A drafting call costs ``e + f * levels + g * caught_up``: ``caught_up`` is the tokens its
+requests gained since they last drafted, which a drafter reading the target's states runs
+through its own layers before the first level. Priced apart, the catch-up after a pause
+(a new request's prompt, the tokens decoded while drafts did not pay) does not make every
+level look dear, which would keep drafts off where they pay.
+
+Both fits are least squares over every call seen (:class:`DecayedLeastSquares`).
 """
 
     #: decayed number of one-token and of wider steps both needed before the jump is fitted
     MIN_STEPS_OF_EACH = 2.0
 
-    def __init__(self, forgetting: float = 0.98, smoothing: float = 0.2):
-        self.forgetting = forgetting
-        self.smoothing = smoothing
-        self.xtx = [[0.0] * 4 for _ in range(4)]
-        self.xty = [0.0] * 4
-        self.yty = 0.0
-        self.num_steps = 0
+    def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.95):
+        self.steps = DecayedLeastSquares(4, forgetting)
         self._coefficients: tuple[float, float, float, float] | None = None
-        self.draft_level_seconds = {False: 0.0, True: 0.0}  # chains, trees
+        self.drafts = {trees: DecayedLeastSquares(3, draft_forgetting) for trees in (False, True)}  # chains, trees
+        self._draft_coefficients: dict[bool, list[float]] = {}
+
+    @property
+    def num_steps(self) -> int:
+        return self.steps.count
 
     def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int | None = None) -> None:
         """A step of ``num_tokens`` target tokens, ``widest`` of them in one sequence
         (None: a single sequence), took ``seconds``."""
         if num_tokens < 1 or seconds <= 0:
             return
-        x = self._features(num_tokens, work, widest)
-        f = self.forgetting
-        for i in range(4):
-            self.xty[i] = f * self.xty[i] + x[i] * seconds
-            for j in range(4):
-                self.xtx[i][j] = f * self.xtx[i][j] + x[i] * x[j]
-        self.yty = f * self.yty + seconds * seconds
-        self.num_steps += 1
+        self.steps.observe(self._features(num_tokens, work, widest), seconds)
         self._coefficients = None
 
     @staticmethod
@@ -67,54 +115,77 @@ down, none of them negative (the best fit over the subsets of features is kept).
         measured): steps all alike say nothing of what a token costs."""
         if self._coefficients is not None:
             return self._coefficients
-        if self.num_steps < 3 or self._token_spread() < 1.0:
-            mean = self.xty[0] / self.xtx[0][0] if self.num_steps else 1.0
+        fit = self.steps
+        if fit.count < 3 or self._token_spread() < 1.0:
+            mean = fit.xty[0] / fit.weight() if fit.count else 1.0
             return mean, 0.0, mean / 256, 0.0
-        wide = self.xtx[1][1]
-        jump = min(wide, self.xtx[0][0] - wide) >= self.MIN_STEPS_OF_EACH
+        wide = fit.xtx[1][1]
+        jump = min(wide, fit.weight() - wide) >= self.MIN_STEPS_OF_EACH
         subsets = [(0,), (0, 2), (0, 3), (0, 2, 3)]
         if jump:
             subsets += [(0, 1, *rest[1:]) for rest in subsets]
-        best, best_residual = None, math.inf
-        for features in subsets:
-            beta = _solve([[self.xtx[i][j] + (1e-9 * self.xtx[i][i] if i == j else 0.0) for j in features]
-                           for i in features], [self.xty[i] for i in features])
-            if beta is None or any(v < 0 for v in beta):
-                continue
-            full = [0.0] * 4
-            for i, v in zip(features, beta):
-                full[i] = v
-            residual = self.yty - 2 * sum(full[i] * self.xty[i] for i in range(4)) + sum(
-                full[i] * self.xtx[i][j] * full[j] for i in range(4) for j in range(4))
-            if residual < best_residual - 1e-15:
-                best, best_residual = full, residual
-        self._coefficients = tuple(best) if best is not None else (self.xty[0] / self.xtx[0][0], 0.0, 0.0, 0.0)
+        best = fit.fit(subsets)
+        self._coefficients = tuple(best) if best is not None else (fit.xty[0] / fit.weight(), 0.0, 0.0, 0.0)
         return self._coefficients
 
     def _token_spread(self) -> float:
         """Standard deviation of the tokens of the steps seen (decayed weights)."""
-        n = self.xtx[0][0]
-        return math.sqrt(max(self.xtx[2][2] / n - (self.xtx[0][2] / n) ** 2, 0.0))
+        fit = self.steps
+        return math.sqrt(max(fit.xtx[2][2] / fit.weight() - fit.mean(2) ** 2, 0.0))
 
     def step_seconds(self, num_tokens: int, work: float = 0.0, widest: int | None = None) -> float:
         return sum(c * x for c, x in zip(self.coefficients(), self._features(num_tokens, work, widest)))
 
-    def observe_draft(self, depth: int, seconds: float, trees: bool = False) -> None:
-        """A drafting call that asked for ``depth`` levels at most took ``seconds``
-        (``trees``: some request was asked for more nodes than levels). Chains and trees
-        are timed apart: a dynamic tree's level drafts several rows and ranks them."""
+    def observe_draft(self, depth: int, seconds: float, trees: bool = False, caught_up: int = 0) -> None:
+        """A drafting call that asked for ``depth`` levels at most and caught up on
+        ``caught_up`` tokens took ``seconds`` (``trees``: some request was asked for more
+        nodes than levels). Chains and trees are timed apart: a dynamic tree's level drafts
+        several rows and ranks them."""
         if depth < 1:
             return
-        per_level = seconds / depth
-        if self.draft_level_seconds[trees] == 0.0:
-            self.draft_level_seconds[trees] = per_level
-        else:
-            self.draft_level_seconds[trees] += self.smoothing * (per_level - self.draft_level_seconds[trees])
+        self.drafts[trees].observe((1.0, float(depth), float(caught_up)), seconds)
+        self._draft_coefficients.pop(trees, None)
 
-    def draft_seconds(self, depth: int, trees: bool = False) -> float:
-        """Drafting time of ``depth`` levels; a kind not timed yet is priced as the other."""
-        per_level = self.draft_level_seconds[trees] or self.draft_level_seconds[not trees]
-        return per_level * depth
+    def _draft_fit(self, trees: bool) -> list[float] | None:
+        """(e, f, g) of the drafting calls of a kind, None before any: a cost per level
+        alone (the calls so far all asked for one depth) unless a fixed cost per call or
+        per token caught up fits them better."""
+        if trees not in self._draft_coefficients:
+            fit = self.drafts[trees]
+            self._draft_coefficients[trees] = fit.fit([(1,), (1, 2), (0, 1), (0, 1, 2)]) if fit.count else None
+        return self._draft_coefficients[trees]
+
+    def draft_seconds(self, depth: int, trees: bool = False, caught_up: float = 0.0) -> float:
+        """Drafting time of ``depth`` levels after ``caught_up`` new tokens; a kind not
+        timed yet is priced as the other."""
+        coefficients = self._draft_fit(trees) or self._draft_fit(not trees)
+        if coefficients is None or depth < 1:
+            return 0.0
+        e, f, g = coefficients
+        return e + f * depth + g * caught_up
+
+
+@attrs.define
+class FixedCosts:
+    """A given cost model: ``step + per_token * tokens`` seconds a step, ``per_level`` a
+    drafted level, whatever the clock says. The defaults are a CPU's shape: weights streamed
+    once per step, extra rows nearly free."""
+
+    step: float = 0.03
+    per_token: float = 5e-4
+    per_level: float = 2e-3
+
+    def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int | None = None) -> None:
+        """Measured steps change nothing."""
+
+    def observe_draft(self, depth: int, seconds: float, trees: bool = False, caught_up: int = 0) -> None:
+        """Measured drafting changes nothing."""
+
+    def step_seconds(self, num_tokens: int, work: float = 0.0, widest: int | None = None) -> float:
+        return self.step + self.per_token * num_tokens
+
+    def draft_seconds(self, depth: int, trees: bool = False, caught_up: float = 0.0) -> float:
+        return self.per_level * depth
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -133,26 +204,3 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
                 for k in range(col, n + 1):
                     m[r][k] -= factor * m[col][k]
     return [m[i][n] / m[i][i] for i in range(n)]
-
-
-@attrs.define
-class FixedCosts:
-    """A given cost model: ``step + per_token * tokens`` seconds a step, ``per_level`` a
-    drafted level, whatever the clock says. The defaults are a CPU's shape: weights streamed
-    once per step, extra rows nearly free."""
-
-    step: float = 0.03
-    per_token: float = 5e-4
-    per_level: float = 2e-3
-
-    def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int | None = None) -> None:
-        """Measured steps change nothing."""
-
-    def observe_draft(self, depth: int, seconds: float, trees: bool = False) -> None:
-        """Measured drafting changes nothing."""
-
-    def step_seconds(self, num_tokens: int, work: float = 0.0, widest: int | None = None) -> float:
-        return self.step + self.per_token * num_tokens
-
-    def draft_seconds(self, depth: int, trees: bool = False) -> float:
-        return self.per_level * depth

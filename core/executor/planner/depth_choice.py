@@ -78,14 +78,16 @@ class DraftOption:
 
 
 def best_depths(options: list[DraftOption], base_tokens: int, step_seconds: Callable[[int, int, int], float],
-                draft_seconds: Callable[[int], float] = lambda depth: 0.0) -> list[int]:
+                draft_seconds: Callable[[int, float], float] = lambda depth, tokens: 0.0) -> list[int]:
     """The depth of each option that maximises expected tokens per second of the step.
 
     ``base_tokens``: the step's target tokens without any draft (every request's root,
     prompt chunks); each request emits one token without drafts.
     ``step_seconds(tokens, widest, drafting)``: the step's time with ``tokens`` target
     tokens, ``drafting`` requests verifying drafts, the widest ``widest`` tokens.
-    ``draft_seconds(d)``: drafting time when the deepest request drafts ``d`` levels.
+    ``draft_seconds(d, expected)``: drafting time when the deepest request drafts ``d``
+    levels and the step is expected to emit ``expected`` tokens (a drafter catches up on
+    them at its next call).
     """
     depths = [0] * len(options)
     tokens, expected, deepest, widest, drafting = base_tokens, float(len(options)), 0, 1, 0
@@ -109,7 +111,7 @@ def best_depths(options: list[DraftOption], base_tokens: int, step_seconds: Call
         depths[i] = j
         deepest = max(deepest, j)
         widest = max(widest, 1 + opt.nodes[j])
-        rate = expected / (step_seconds(tokens, widest, drafting) + draft_seconds(deepest))
+        rate = expected / (step_seconds(tokens, widest, drafting) + draft_seconds(deepest, expected))
         if rate > best_rate * 1.001:  # a draft must pay, not tie
             best_rate, best = rate, list(depths)
         push(i)

@@ -43,6 +43,7 @@ class RequestDraftState:
     last_warm_up: int = -1  # serial number of its last aux-only warm-up (the oldest runs first)
     recent_acceptance: deque = attrs.Factory(lambda: deque(maxlen=64))  # accepted share of each recent draft
     paused_until: int = 0  # decode step at which a low-acceptance pause ends
+    drafted_at: int = 0  # its tokens when its drafter was last asked (the drafter has seen them)
 
 
 @attrs.frozen
@@ -143,10 +144,16 @@ class DraftPlanner:
 
     # -- after drafting and verification --------------------------------------------------
 
-    def observe_drafting(self, depth: int, seconds: float, trees: bool) -> None:
-        """A drafting call asked for ``depth`` levels at most and took ``seconds``."""
+    def observe_drafting(self, reqs: list, depth: int, seconds: float, trees: bool) -> None:
+        """A drafting call asked ``reqs`` for ``depth`` levels at most and took ``seconds``;
+        the tokens they gained since their drafter was last asked are what it caught up on."""
+        caught_up = 0
+        for req in reqs:
+            state = self.state(req)
+            caught_up += max(len(req.token_ids) - state.drafted_at, 0)
+            state.drafted_at = len(req.token_ids)
         if self.adaptive:
-            self.costs.observe_draft(depth, seconds, trees)
+            self.costs.observe_draft(depth, seconds, trees, caught_up)
 
     def observe_decode(self, req, proposal, accepted_nodes: list[int]) -> None:
         """``req`` decoded a step, verifying ``proposal`` (None: no drafts) of which the
@@ -265,9 +272,10 @@ class DraftPlanner:
         return [(d, d if chain else min(self.nodes_for_depth(d), nodes) if d else 0)
                 for d, chain, (_, nodes) in zip(depths, chains, caps)]
 
-    def _drafting_seconds(self, depth: int, trees: bool, hit: float) -> float:
-        """What asking for ``depth`` levels costs: drafting time over the chance of a draft."""
-        return self.costs.draft_seconds(depth, trees) / hit
+    def _drafting_seconds(self, depth: int, tokens: float, trees: bool, hit: float) -> float:
+        """What asking for ``depth`` levels costs, the drafter catching up on the step's
+        expected ``tokens`` at its next call: drafting time over the chance of a draft."""
+        return self.costs.draft_seconds(depth, trees, tokens) / hit
 
     def _chain_or_tree(self, candidates: list[list[DraftOption]], shape: StepShape, hit: float) -> list[bool]:
         """For each request, whether its chain (the second of its ``candidates``) pays more
@@ -291,8 +299,9 @@ class DraftPlanner:
                 drafting = functools.partial(self._drafting_seconds, trees=tree, hit=hit)
                 depth = best_depths(alone, shape.tokens, step, drafting)[i]
                 tokens = shape.tokens + opt.nodes[depth]
-                seconds = step(tokens, 1 + opt.nodes[depth], int(depth > 0)) + drafting(depth)
-                rates.append((len(candidates) + sum(opt.gains[:depth])) / seconds)
+                expected = len(candidates) + sum(opt.gains[:depth])
+                seconds = step(tokens, 1 + opt.nodes[depth], int(depth > 0)) + drafting(depth, expected)
+                rates.append(expected / seconds)
             chains[i] = rates[1] >= rates[0]
         return chains
 
