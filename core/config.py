@@ -124,8 +124,11 @@ class SpeculativeConfig:
 
     @property
     def chain_or_tree(self) -> bool:
-        """Whether the drafter may be asked for a chain in place of its tree (see
-        :attr:`TreeDraftConfig.chain_or_tree`)."""
+        """Whether the drafter may be asked for a chain in place of its tree: given no more
+        nodes than levels, a tree drafter drafts the chain of its best candidates (a static
+        tree its chain of first children, :meth:`~specdec.drafting.tree.StaticTree.trimmed`),
+        so the adaptive planner chooses, each step and request, between the chain and the
+        tree (:class:`specdec.executor.planner.DraftPlanner`). A method with a tree says so."""
         return False
 
     @property
@@ -177,10 +180,8 @@ class TreeDraftConfig(SpeculativeConfig):
 
     @property
     def chain_or_tree(self) -> bool:
-        """A dynamic tree's drafter grows a chain when it is given no more nodes than
-        levels, so the adaptive planner chooses, each step and request, between the chain
-        and the tree (:class:`specdec.executor.planner.DraftPlanner`)."""
-        return self.use_dynamic_tree
+        """A dynamic or static tree (see :attr:`SpeculativeConfig.chain_or_tree`)."""
+        return self.use_dynamic_tree or self.static_tree_choices() is not None
 
     def node_budget(self) -> int:
         if self.max_total_draft_tokens:

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import FieldError
 from ..kvcache.layout import causal_mask
-from .interface import DraftProposal, TreeMask
+from .interface import DraftProposal, TreeMask, first_child_path
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
@@ -111,10 +111,16 @@ class StaticTree:
         return max(max(p) for p in self.paths)
 
     def trimmed(self, depth: int, nodes: int) -> StaticTree:
-        """The first ``nodes`` nodes no deeper than ``depth`` (nodes come by depth, parents
-        first, so the result is a tree): what a step whose planner or budget asks for less
-        than the whole tree verifies."""
-        keep = [p for p in self.paths if len(p) <= depth][:nodes]
+        """What a step whose planner or budget asks for less than the whole tree verifies:
+        the first ``nodes`` nodes no deeper than ``depth`` (nodes come by depth, parents
+        first, so the result is a tree); given no more nodes than levels, the chain of first
+        children (each level's best rank the tree holds), ``nodes`` deep at most: what the
+        adaptive planner asks for where the chain pays more than the tree
+        (:attr:`~specdec.config.SpeculativeConfig.chain_or_tree`)."""
+        if nodes <= depth:
+            keep = [self.paths[i] for i in first_child_path(list(self.parents))][:nodes]
+        else:
+            keep = [p for p in self.paths if len(p) <= depth][:nodes]
         return self if len(keep) == len(self.paths) else StaticTree.from_choices([list(p) for p in keep])
 
     def level(self, depth: int) -> list[int]:

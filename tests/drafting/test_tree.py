@@ -39,6 +39,18 @@ def test_static_tree_fill_and_cached_mask():
     assert default_tree_mask(prop).mask is tree.mask()
 
 
+def test_a_static_tree_asked_for_fewer_nodes_keeps_its_first_nodes_or_its_chain_of_first_children():
+    """More nodes than levels: the tree's first nodes by depth. No more nodes than levels
+    (the planner's chain): the path of first children, the chain whose acceptance the planner
+    counts inside every verified tree (:func:`~specdec.drafting.interface.first_child_path`)."""
+    tree = StaticTree.from_choices([[0], [0, 0], [0, 0, 0], [1], [0, 1], [2], [1, 0]])
+    assert tree.trimmed(2, 4).paths == ((0,), (1,), (2,), (0, 0))
+    assert tree.trimmed(3, 3).paths == ((0,), (0, 0), (0, 0, 0))
+    assert tree.trimmed(3, 2).paths == ((0,), (0, 0))
+    assert tree.trimmed(1, 1).paths == ((0,),)
+    assert StaticTree.from_choices([[1, 2], [1, 3]]).trimmed(2, 2).paths == ((1,), (1, 2))
+
+
 @pytest.mark.parametrize("bad", [[[]], [[0, -1]], [["a"]], [[True]], "x", []])
 def test_bad_choice_lists_are_named(bad):
     with pytest.raises(ValueError):

@@ -59,6 +59,11 @@ class MedusaConfig(SpeculativeConfig):
     def node_budget(self) -> int:
         return self.max_total_draft_tokens or self.static_tree().num_nodes
 
+    @property
+    def chain_or_tree(self) -> bool:
+        """The planner may ask for the tree's best chain in its place."""
+        return True
+
     def acceptance_rule(self, tokenizer=None):
         """Typical acceptance when switched on: faster, but NOT lossless."""
         return TypicalAcceptance(self.posterior_threshold, self.posterior_alpha) if self.use_typical_acceptance \
