@@ -113,11 +113,11 @@ class StaticTree:
     def trimmed(self, depth: int, nodes: int) -> StaticTree:
         """What a step whose planner or budget asks for less than the whole tree verifies:
         the first ``nodes`` nodes no deeper than ``depth`` (nodes come by depth, parents
-        first, so the result is a tree); given no more nodes than levels, the chain of first
-        children (each level's best rank the tree holds), ``nodes`` deep at most: what the
-        adaptive planner asks for where the chain pays more than the tree
-        (:attr:`~specdec.config.SpeculativeConfig.chain_or_tree`)."""
-        if nodes <= depth:
+        first, so the result is a tree); given no more nodes than levels (of the tree's,
+        ``depth`` at most), the chain of first children (each level's best rank the tree
+        holds), ``nodes`` deep at most: what the adaptive planner asks for where the chain
+        pays more than the tree (:attr:`~specdec.config.SpeculativeConfig.chain_or_tree`)."""
+        if nodes <= min(depth, self.depth):
             keep = [self.paths[i] for i in first_child_path(list(self.parents))][:nodes]
         else:
             keep = [p for p in self.paths if len(p) <= depth][:nodes]

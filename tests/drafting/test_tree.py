@@ -49,6 +49,8 @@ def test_a_static_tree_asked_for_fewer_nodes_keeps_its_first_nodes_or_its_chain_
     assert tree.trimmed(3, 2).paths == ((0,), (0, 0))
     assert tree.trimmed(1, 1).paths == ((0,),)
     assert StaticTree.from_choices([[1, 2], [1, 3]]).trimmed(2, 2).paths == ((1,), (1, 2))
+    # a tree shallower than the depth asked for: as many nodes as levels asked is still the tree
+    assert StaticTree.from_choices([[0], [1]]).trimmed(3, 3).paths == ((0,), (1,))
 
 
 @pytest.mark.parametrize("bad", [[[]], [[0, -1]], [["a"]], [[True]], "x", []])
