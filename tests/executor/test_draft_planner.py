@@ -167,6 +167,23 @@ def test_cost_model_never_fits_a_negative_cost_per_token():
     assert costs.draft_seconds(2) == pytest.approx(0.004)
 
 
+def test_cost_model_refits_every_few_steps_and_every_step_while_young():
+    """A refit costs about 1% of a decode step in Python: the fit is made again every
+    ``REFIT_EVERY`` steps once it has seen twice as many, and is never older than that."""
+    costs = StepCostModel()
+    every = costs.steps.REFIT_EVERY
+    young = []
+    for n in range(2 * every):
+        costs.observe_step(1 + 3 * (n % 4), 0.0, 0.01 * (1 + n / 10) + 0.001 * (1 + 3 * (n % 4)))
+        young.append(costs.coefficients())
+    assert len(set(young)) == len(young)  # fitted again after every step
+    before, fits = costs.coefficients(), []
+    for _ in range(every):
+        costs.observe_step(2, 0.0, 0.05)  # the machine slowed down
+        fits.append(costs.coefficients())
+    assert fits[:-1] == [before] * (every - 1) and fits[-1][0] > before[0]  # refit at the fourth step
+
+
 def test_cost_model_keeps_a_token_price_while_every_step_had_the_same_tokens():
     """Eight long prompts, prefilled in three 512-token chunks: nothing tells what a token
     costs, and a fit made tokens free (the next step then ran every lookahead window)."""
