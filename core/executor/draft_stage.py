@@ -109,21 +109,21 @@ class DraftStage:
         speculating = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
         if not speculating:
             return proposals
+        asked = [reqs[i] for i in speculating]
         started = time.perf_counter()
         try:
             with torch.inference_mode():  # drafters run no autograd
-                got = self.hooks.prepare_draft_tokens(requests=[reqs[i] for i in speculating],
+                got = self.hooks.prepare_draft_tokens(requests=asked,
                                                       draft_lens=[shapes[i][0] for i in speculating],
                                                       max_nodes=[shapes[i][1] for i in speculating])
             if got is not None and (not isinstance(got, (list, tuple)) or len(got) != len(speculating)):
                 raise TypeError(f"returned {got!r:.80} for {len(speculating)} requests; expected a list with "
                                 "one proposal or None per request")
         except Exception as exc:  # a failing drafter costs speed, never output
-            self._fault([reqs[i] for i in speculating], "prepare_draft_tokens raised", exc)
+            self._fault(asked, "prepare_draft_tokens raised", exc)
             got = None
         self.seconds = time.perf_counter() - started
-        self.planner.observe_drafting([reqs[i] for i in speculating], max(shapes[i][0] for i in speculating),
-                                      self.seconds,
+        self.planner.observe_drafting(asked, max(shapes[i][0] for i in speculating), self.seconds,
                                       trees=any(shapes[i][1] > shapes[i][0] for i in speculating))
         answered = []  # requests whose drafter answered without a fault
         for i, prop in zip(speculating, got or []):

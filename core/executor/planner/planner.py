@@ -147,13 +147,14 @@ class DraftPlanner:
     def observe_drafting(self, reqs: list, depth: int, seconds: float, trees: bool) -> None:
         """A drafting call asked ``reqs`` for ``depth`` levels at most and took ``seconds``;
         the tokens they gained since their drafter was last asked are what it caught up on."""
+        if not self.adaptive:
+            return
         caught_up = 0
         for req in reqs:
             state = self.state(req)
             caught_up += max(len(req.token_ids) - state.drafted_at, 0)
             state.drafted_at = len(req.token_ids)
-        if self.adaptive:
-            self.costs.observe_draft(depth, seconds, trees, caught_up)
+        self.costs.observe_draft(depth, seconds, trees, caught_up)
 
     def observe_decode(self, req, proposal, accepted_nodes: list[int]) -> None:
         """``req`` decoded a step, verifying ``proposal`` (None: no drafts) of which the
