@@ -107,11 +107,12 @@ class LLM:
         config = attrs.evolve(config, engine=attrs.evolve(config.engine, quantization=quantization,
                                                           draft_quantization=draft_quantization))
         self.config = config
-        # Resolve the method before loading weights, so a missing plugin fails fast.
+        # Resolve the method before loading weights, so that a missing plugin, or one
+        # without a drafter yet, fails fast.
         registry = get_registry()
         spec = config.speculative_config
         if spec is not None:
-            registry.resolve(spec.decoding_type)
+            registry.resolve_drafter(spec.decoding_type)
         #: the tensor-parallel group this rank 0 leads (None at tensor_parallel_size 1)
         self.group = None
         if tp > 1:

@@ -189,13 +189,18 @@ class PluginRegistry:
                     "drafter: 'package.module:Class'.")
         raise PluginError(msg)
 
-    def create_drafter(self, config: SpeculativeConfig, target) -> object:
-        dtype = self.resolve(config.decoding_type)
+    def resolve_drafter(self, name: str) -> DecodingType:
+        """:meth:`resolve`, and a clear PluginError where the type has no drafter yet: what
+        an engine checks before it loads any weights, so that the error comes at once."""
+        dtype = self.resolve(name)
         if dtype.drafter_class is None:
             raise PluginError(f"decoding type {dtype.name!r} ({dtype.distribution} {dtype.version}) is registered "
                               "but not implemented yet; choose another decoding_type "
                               f"({', '.join(n for n, t in self.types.items() if t.drafter_class)})")
-        return dtype.drafter_class(config, target)
+        return dtype
+
+    def create_drafter(self, config: SpeculativeConfig, target) -> object:
+        return self.resolve_drafter(config.decoding_type).drafter_class(config, target)
 
     def plugins_table(self) -> list[dict]:
         return [{"name": t.name, "aliases": list(t.aliases), "distribution": t.distribution, "version": t.version,

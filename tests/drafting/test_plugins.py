@@ -73,7 +73,9 @@ def _site_with_plugin(tmp_path, module: str, source: str, entry: str, dist: str)
 
 def test_registered_but_not_implemented_method_fails_clearly(tmp_path):
     """A plugin may register a method before its drafter exists: choosing it is a message
-    naming the plugin and the methods that work, never a fallback to plain decoding."""
+    naming the plugin and the methods that work, never a fallback to plain decoding, and
+    it comes before any model is read (here an empty model directory, whose own error
+    would come first otherwise)."""
     env = _site_with_plugin(tmp_path, "planned_specdec_plugin", textwrap.dedent("""
         import attrs
 
@@ -90,7 +92,8 @@ def test_registered_but_not_implemented_method_fails_clearly(tmp_path):
         """), "planned", "specdec-plugin-planned")
     table = run_specdec("plugins", env=env)
     assert any(line.startswith("planned") and "not implemented yet" in line for line in table.stdout.splitlines())
-    result = run_specdec("generate", "-d", "planned", "hi", env=env)
+    (tmp_path / "no-model").mkdir()
+    result = run_specdec("generate", "-d", "planned", "--model", str(tmp_path / "no-model"), "hi", env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "decoding type 'planned' (specdec-plugin-planned 0.3) is registered but not implemented yet; choose " \
            "another decoding_type (" in result.stderr
