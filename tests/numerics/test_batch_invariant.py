@@ -292,6 +292,9 @@ def test_bfloat16_speculative_greedy_equals_plain_greedy(method):
 
 @pytest.mark.slow
 def test_bfloat16_answers_through_the_server_under_32_streams_equal_answers_alone(tmp_path, bf16_ngram):
+    """The server's batches change with the streams' timing; every answer is the one the
+    offline engine gives in a fixed batch of all 32, which is each prompt's answer alone
+    (:func:`test_bfloat16_answers_alone_and_in_a_batch_of_24_are_identical`)."""
     from openai import OpenAI
 
     config = ("dtype: bfloat16\nspeculative_config: {decoding_type: ngram, max_draft_len: 4}\n"
@@ -302,9 +305,10 @@ def test_bfloat16_answers_through_the_server_under_32_streams_equal_answers_alon
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
         with ThreadPoolExecutor(len(prompts)) as pool:
             texts = list(pool.map(lambda p: stream_chat(client, p), prompts))
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-    for prompt, text in zip(prompts, texts):
-        assert text == bf16_ngram.chat([{"role": "user", "content": prompt}], params)[0].text, prompt
+    offline = bf16_ngram.chat([[{"role": "user", "content": p}] for p in prompts],
+                              SamplingParams(max_tokens=24, temperature=0.0))
+    for prompt, text, want in zip(prompts, texts, offline):
+        assert text == want.text, prompt
 
 
 # -- engine.batch_invariant: auto -----------------------------------------------------------
