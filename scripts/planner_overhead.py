@@ -1,0 +1,75 @@
+"""What the adaptive planner costs and what its choices bring, for one method at batch 1:
+four engines side by side on one prompt set, prompt by prompt in a rotating order.
+
+    .venv/bin/python scripts/planner_overhead.py eagle3 [--depth 1]
+        [--dataset benchmarks/diverse.jsonl] [--max-tokens 128] [--repetitions 2]
+
+- ``plain``: no drafts;
+- ``fixed``: the method drafting ``--depth`` levels every step (``adaptive: false``);
+- ``forced on``: the adaptive planner observing every step (acceptance, cost fits) but
+  asked for nothing: it drafts what ``fixed`` drafts, so its time over ``fixed``'s is the
+  planner's bookkeeping;
+- ``adaptive``: the planner deciding (``max_draft_len: --depth``).
+
+Prints each engine's tokens/s, its ratio to plain, tokens per step and milliseconds per
+step (prefill steps included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.bench.prompt_sets import load_jsonl
+from specdec.bench.runner import WARMUP
+
+
+def engines(method: str, depth: int) -> dict[str, LLM]:
+    spec = {"decoding_type": method, "max_draft_len": depth}
+    forced = LLM(speculative_config=spec)
+    forced.engine.planner.plan = lambda reqs, caps, shape: caps
+    forced.engine.planner.trim = lambda reqs, proposals, shape: proposals
+    return {"plain": LLM(), "fixed": LLM(speculative_config={**spec, "adaptive": False}), "forced on": forced,
+            "adaptive": LLM(speculative_config=spec)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("method", help="a decoding type")
+    p.add_argument("--depth", type=int, default=1, help="max_draft_len of the speculative engines")
+    p.add_argument("--dataset", default="benchmarks/diverse.jsonl")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repetitions", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    conversations = [c for convs in load_jsonl(args.dataset).values() for c in convs]
+    llms = engines(args.method, args.depth)
+    for llm in llms.values():
+        llm.chat([WARMUP], SamplingParams(max_tokens=4, temperature=0.0))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    names = list(llms)
+    tokens, seconds, steps = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+    for rep in range(args.repetitions):
+        for i, conversation in enumerate(conversations):
+            shift = (i + rep) % len(names)
+            for name in names[shift:] + names[:shift]:
+                started = time.perf_counter()
+                out = llms[name].chat([conversation], params)[0]
+                seconds[name] += time.perf_counter() - started
+                tokens[name] += len(out.token_ids)
+                steps[name] += out.metrics.num_steps
+    plain = tokens["plain"] / seconds["plain"]
+    print(f"# {args.method}, depth {args.depth}: {len(conversations)} requests at batch 1, {args.max_tokens} tokens, "
+          f"{args.repetitions} repetitions, {args.threads} threads, the default target")
+    for name in names:
+        rate = tokens[name] / seconds[name]
+        print(f"{name:10s} {rate:7.1f} tok/s  {rate / plain:.3f}x  tokens/step {tokens[name] / steps[name]:.3f}  "
+              f"ms/step {1e3 * seconds[name] / steps[name]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
