@@ -1,7 +1,7 @@
 """What the adaptive planner costs and what its choices bring, for one method at batch 1:
 four engines side by side on one prompt set, prompt by prompt in a rotating order.
 
-    .venv/bin/python scripts/planner_overhead.py eagle3 [--depth 1]
+    .venv/bin/python scripts/planner_overhead.py eagle3 [--depth 1] [--option use_dynamic_tree=false]
         [--dataset benchmarks/diverse.jsonl] [--max-tokens 128] [--repetitions 2]
 
 - ``plain``: no drafts;
@@ -21,14 +21,15 @@ import argparse
 import time
 
 import torch
+import yaml
 
 from specdec import LLM, SamplingParams
 from specdec.bench.prompt_sets import load_jsonl
 from specdec.bench.runner import WARMUP
 
 
-def engines(method: str, depth: int) -> dict[str, LLM]:
-    spec = {"decoding_type": method, "max_draft_len": depth}
+def engines(method: str, depth: int, options: dict) -> dict[str, LLM]:
+    spec = {"decoding_type": method, "max_draft_len": depth, **options}
     forced = LLM(speculative_config=spec)
     forced.engine.planner.plan = lambda reqs, caps, shape: caps
     forced.engine.planner.trim = lambda reqs, proposals, shape: proposals
@@ -40,6 +41,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("method", help="a decoding type")
     p.add_argument("--depth", type=int, default=1, help="max_draft_len of the speculative engines")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="another speculative_config option of the three speculative engines (a YAML value)")
     p.add_argument("--dataset", default="benchmarks/diverse.jsonl")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repetitions", type=int, default=2)
@@ -47,7 +50,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     conversations = [c for convs in load_jsonl(args.dataset).values() for c in convs]
-    llms = engines(args.method, args.depth)
+    options = {name: yaml.safe_load(value) for name, _, value in (o.partition("=") for o in args.option)}
+    llms = engines(args.method, args.depth, options)
     for llm in llms.values():
         llm.chat([WARMUP], SamplingParams(max_tokens=4, temperature=0.0))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
