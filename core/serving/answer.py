@@ -80,6 +80,19 @@ def error_json(status: int, message: str, code: str | None = None) -> JSONRespon
     return JSONResponse(status_code=status, content={"error": error})
 
 
+class ClosingStream(StreamingResponse):
+    """A streamed response that closes its events when it ends however it ends. Starlette
+    leaves them suspended when the client leaves while a chunk is being sent; their
+    ``finally`` (abort the engine's requests, count them aborted) then waited for the
+    garbage collector, and the engine kept decoding for nobody."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 class Answer:
     """The choices of one request, submitted to the engine as ``handles`` (choice ``i`` of
     prompt ``i // n``); ``echoed``: per choice, the text put before its own (the
@@ -157,7 +170,7 @@ class Answer:
                 "choices": choices, "usage": usage_json(results, self.n)}
 
     def streamed(self) -> StreamingResponse:
-        return StreamingResponse(self._events(), media_type="text/event-stream")
+        return ClosingStream(self._events(), media_type="text/event-stream")
 
     def _chunk(self, i: int, text, finish_reason, usage=None, logprobs=None) -> str:
         kind = f"{self.kind}.chunk" if self.chat else self.kind
