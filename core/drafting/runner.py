@@ -46,7 +46,7 @@ from ..model.target import (
     compile_unguarded,
     compiled_step,
     paged_attention_forward,
-    probe_kv_shapes,
+    probe_kv_layers,
 )
 from .interface import node_depths
 from .tree import ancestor_mask
@@ -113,10 +113,10 @@ class DraftRunner:
                    device: torch.device, **features) -> DraftRunner:
         """Probe the module's K/V shapes with a one-token forward (``features``: ``[1, F]``
         examples of its per-token inputs) and build its runner."""
-        shapes = probe_kv_shapes(lambda meta: forward(torch.zeros(1, dtype=torch.long, device=device),
+        layers = probe_kv_layers(lambda meta: forward(torch.zeros(1, dtype=torch.long, device=device),
                                                       torch.zeros(1, dtype=torch.long, device=device), meta,
                                                       **features), type(forward).__name__)
-        return cls(forward, shapes, num_blocks, block_size, dtype, device, features)
+        return cls(forward, [layer[:3] for layer in layers], num_blocks, block_size, dtype, device, features)
 
     def compile(self) -> None:
         """Run the module through ``torch.compile`` from now on: a graph for one row and one

@@ -79,8 +79,9 @@ class Engine:
         #: the layers whose states every target forward of this engine keeps
         self.state_layers = frozenset(self.hidden_layers)
         keep_states = bool(self.hidden_layers) and config.enable_prefix_caching and _reads_prompt_hidden_states(hooks)
-        num_blocks = kv_cache_blocks(config, target, len(self.hidden_layers) if keep_states else 0)
-        cache = target.new_kv_cache(num_blocks, config.block_size)
+        num_blocks, window_blocks = kv_cache_blocks(config, target, len(self.hidden_layers) if keep_states else 0,
+                                                    self.max_model_len)
+        cache = target.new_kv_cache(num_blocks, config.block_size, window_blocks)
         self.kv = KVCacheManager(cache, num_blocks, config.block_size, config.enable_prefix_caching)
         #: every committed token's hidden states, for requests whose prefix comes from the cache
         self.hidden_cache = (HiddenStateCache(self.hidden_layers, num_blocks * config.block_size, target.hidden_size,

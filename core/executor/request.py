@@ -39,6 +39,7 @@ class Request:
     num_computed: int = 0
     num_from_prefix_cache: int = 0  # tokens the current admission took from the prefix cache
     block_table: list[int] = attrs.Factory(list)
+    window_from: int = 0  # blocks of block_table before it left the sliding-window layers (KVCacheManager)
     drafter_state: dict = attrs.Factory(dict)
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)
     stop_text: str | None = None  # the output text cut before a stop string that ended it

@@ -127,7 +127,14 @@ class AttentionLayout:
         self.context_bound = context_bound
         self.num_tokens = sum(len(s.positions) for s in seqs)
         self._window_masks: dict[int, torch.Tensor] = {}
-        self.kernel_cache: dict = {}  # what kernels derive from the layout, per step
+        self.kernel_cache: dict = {}  # what kernels and layers derive from the layout, per step
+
+    def remapped(self, block_of: list[int]) -> AttentionLayout:
+        """This step over other blocks: every block table's block ``b`` read as
+        ``block_of[b]`` (the sliding-window layers' own blocks,
+        :class:`specdec.kvcache.window_blocks.WindowBlocks`)."""
+        seqs = [attrs.evolve(s, block_table=[block_of[b] for b in s.block_table]) for s in self.seqs]
+        return AttentionLayout(seqs, self.block_size, self.device, self.context_bound)
 
     def _key_slots(self, seq: SequenceSlice, count: int, first: int = 0) -> torch.Tensor:
         """Cache slots of positions ``first .. first + count`` of ``seq`` (a tensor op, not a

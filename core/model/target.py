@@ -75,7 +75,9 @@ class KeyRows(NamedTuple):
     Python), for any number of tokens and sequences: ``keys``/``values`` every layer's
     pool, ``slots [T]`` where the new tokens' K/V go, the rest
     :attr:`~specdec.kvcache.layout.AttentionLayout.invariant_key_rows` and the tokens'
-    positions."""
+    positions. Where the sliding-window layers have pools of their own
+    (:class:`specdec.kvcache.window_blocks.WindowBlocks`), ``window_slots`` and
+    ``window_key_slots`` are ``slots`` and ``key_slots`` there."""
 
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
@@ -85,6 +87,8 @@ class KeyRows(NamedTuple):
     offset: torch.Tensor
     count: torch.Tensor
     query_pos: torch.Tensor
+    window_slots: torch.Tensor | None = None
+    window_key_slots: torch.Tensor | None = None
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -97,8 +101,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(specdec, KeyRows):
         layer, step = module.layer_idx, specdec
-        _write_kv(step.keys[layer], step.values[layer], step.slots, key, value)
-        out = attend_key_rows(query[0], step.keys[layer], step.values[layer], step.key_slots, step.key_pos,
+        slots, key_slots = ((step.window_slots, step.window_key_slots)
+                            if sliding_window is not None and step.window_slots is not None
+                            else (step.slots, step.key_slots))
+        _write_kv(step.keys[layer], step.values[layer], slots, key, value)
+        out = attend_key_rows(query[0], step.keys[layer], step.values[layer], key_slots, step.key_pos,
                               step.offset, step.count, step.query_pos, scale, sliding_window, softcap)
         return out.unsqueeze(0), None
     if isinstance(specdec, SequenceKV) and sliding_window is None and softcap is None:
@@ -121,12 +128,13 @@ def _write_kv(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, key
 def _attend(layer: int, query, key, value, meta: ForwardMetadata, scale: float, sliding_window, softcap):
     """Write the new tokens' K/V into their slots, attend; ``[1, T, heads, value_dim]``."""
     if meta.probe is not None:
-        meta.probe.append((layer, key.shape[1], key.shape[3], value.shape[3]))
+        meta.probe.append((layer, KVLayer(key.shape[1], key.shape[3], value.shape[3], sliding_window)))
         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3])
     keys, values = meta.cache.keys[layer], meta.cache.values[layer]
-    _write_kv(keys, values, meta.layout.slot_mapping, key, value)
+    layout = meta.cache.layout_for(layer, meta.layout)
+    _write_kv(keys, values, layout.slot_mapping, key, value)
     attend = invariant_attention if meta.batch_invariant else paged_attention
-    return attend(query[0], keys, values, meta.layout, scale, sliding_window, softcap).unsqueeze(0)
+    return attend(query[0], keys, values, layout, scale, sliding_window, softcap).unsqueeze(0)
 
 
 #: ``meta``: the metadata of the compiled target forward this thread runs now
@@ -196,17 +204,27 @@ AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
 
 
-def probe_kv_shapes(call, name: str) -> list[tuple[int, int, int]]:
-    """Each attention layer's (K/V heads, key size, value size), read by one probing forward:
-    ``call(meta)`` runs one token with ``specdec=meta``."""
+class KVLayer(NamedTuple):
+    """What one attention layer keeps per token: ``heads`` K/V heads of ``key_dim`` and
+    ``value_dim``, and its sliding ``window`` (None: every position)."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    window: int | None
+
+
+def probe_kv_layers(call, name: str) -> list[KVLayer]:
+    """Each attention layer's :class:`KVLayer`, read by one probing forward: ``call(meta)``
+    runs one token with ``specdec=meta``."""
     probe: list = []
     with torch.inference_mode():
         call(ForwardMetadata(cache=None, probe=probe))
-    probe.sort()
+    probe.sort(key=lambda entry: entry[0])
     if [p[0] for p in probe] != list(range(len(probe))):
         raise TypeError(f"{name}: attention layers report indices {[p[0] for p in probe]}; "
                         f"expected 0..{len(probe) - 1}")
-    return [p[1:] for p in probe]
+    return [p[1] for p in probe]
 
 
 @attrs.frozen
@@ -306,7 +324,11 @@ class TargetModel:
         self._compiled: dict[frozenset[int], Callable] | None = None  # a graph per set of layers kept
         self._layer_sets: dict[frozenset[int], frozenset[int]] = {}
         self._lock = threading.Lock()
-        self.layer_shapes = self._probe_kv_shapes()
+        layers = self._probe_kv_layers()
+        #: per attention layer, (K/V heads, key size, value size)
+        self.layer_shapes = [layer[:3] for layer in layers]
+        #: per attention layer, its sliding window (None: it reads every position)
+        self.layer_windows = [layer.window for layer in layers]
 
     #: ranks the target is sharded over (:mod:`specdec.parallel`); its decoder layers run
     #: only with every rank taking part
@@ -315,9 +337,11 @@ class TargetModel:
     def check_healthy(self) -> None:
         """Raise if the target can no longer run (a tensor-parallel worker is gone)."""
 
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        """A KV cache of ``num_blocks`` blocks for this target's layers."""
-        return PagedKVCache(self.layer_shapes, num_blocks, block_size, self.dtype, self.device)
+    def new_kv_cache(self, num_blocks: int, block_size: int, num_window_blocks: int = 0) -> PagedKVCache:
+        """A KV cache of ``num_blocks`` blocks for this target's layers, its sliding-window
+        layers' pools of ``num_window_blocks`` blocks where given (:class:`PagedKVCache`)."""
+        return PagedKVCache(self.layer_shapes, num_blocks, block_size, self.dtype, self.device, self.layer_windows,
+                            num_window_blocks)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -329,9 +353,9 @@ class TargetModel:
             ids.update(src if isinstance(src, (list, tuple)) else [src])
         return ids
 
-    def _probe_kv_shapes(self) -> list[tuple[int, int, int]]:
+    def _probe_kv_layers(self) -> list[KVLayer]:
         one = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        return probe_kv_shapes(lambda meta: self.model(input_ids=one, position_ids=one, use_cache=False,
+        return probe_kv_layers(lambda meta: self.model(input_ids=one, position_ids=one, use_cache=False,
                                                        logits_to_keep=1, specdec=meta), type(self.model).__name__)
 
     def set_linear_forwards(self, batch_invariant: bool, prepack: bool) -> None:
@@ -526,18 +550,20 @@ class TargetModel:
 
     def _invariant_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: ForwardMetadata,
                           rows: torch.Tensor) -> torch.Tensor:
-        key_rows, layout = meta.layout.invariant_key_rows, meta.layout
+        key_rows, layout, windows = meta.layout.invariant_key_rows, meta.layout, meta.cache.window_blocks
         step = KeyRows(tuple(meta.cache.keys), tuple(meta.cache.values), layout.slot_mapping, key_rows["slots"],
-                       key_rows["key_pos"], key_rows["offset"], key_rows["count"], layout.query_positions)
+                       key_rows["key_pos"], key_rows["offset"], key_rows["count"], layout.query_positions,
+                       *((windows.slots(layout.slot_mapping), windows.slots(key_rows["slots"]))
+                         if windows is not None else ()))
         count = len(rows)
         # Inference-mode copies (repeat copies); one token runs twice, as a graph of one would
         # be compiled apart, and one logits row is asked as two.
         copies = 2 if ids.shape[1] == 1 else 1
         ids, positions, rows = ids.repeat(1, copies), positions.repeat(1, copies), rows.repeat(2 if count == 1 else 1)
-        per_token = ("slots", "offset", "count", "query_pos")
+        per_token = ("slots", "offset", "count", "query_pos", "window_slots")
         step = step._replace(**{name: getattr(step, name).repeat(copies if name in per_token else 1)
-                                for name in step._fields[2:]})
-        for tensor, dim in ((ids, 1), (positions, 1), (rows, 0), *((t, 0) for t in step[2:])):
+                                for name in step._fields[2:] if getattr(step, name) is not None})
+        for tensor, dim in ((ids, 1), (positions, 1), (rows, 0), *((t, 0) for t in step[2:] if t is not None)):
             torch._dynamo.mark_dynamic(tensor, dim)
         _pools_dynamic(step.keys, step.values)
         with torch._inductor.config.patch({**CPP_WRAPPER_OPTIONS, "emulate_precision_casts": True}):

@@ -36,7 +36,9 @@ class ShardedTarget(TargetModel):
     def compile(self) -> None:
         raise NotImplementedError("a tensor-parallel target runs eagerly")
 
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int, num_window_blocks: int = 0) -> PagedKVCache:
+        if num_window_blocks:
+            raise ValueError("a sharded target keeps its sliding-window layers' whole history: no window blocks")
         self.group.send(BuildCache(num_blocks, block_size))
         return MirroredKVCache(self.group, self.layer_shapes, num_blocks, block_size, self.dtype, self.device)
 

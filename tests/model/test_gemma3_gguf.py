@@ -59,6 +59,29 @@ def test_greedy_output_equals_plain_decoding_across_the_sliding_window(gemma_ggu
                                   min_accepted=5)
 
 
+def test_window_blocks_handed_out_again_change_no_output(gemma_gguf):
+    """One request at a time in 64-token steps: the sliding layers' pools hold 39 blocks,
+    fewer than the long prompt's 44, so its window blocks are handed out again while it
+    runs; greedy output, plain and prompt lookup's, equals the engine's whose sliding
+    layers keep every block (a pool too small to keep windows apart: one pool for all)."""
+    whole = LLM(model=gemma_gguf, engine={"kv_cache_blocks": 300})
+    assert whole.engine.kv.cache.window_blocks is None
+    prompts = _prompts(whole)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in whole.generate(prompts, params)]
+    tight = {"max_batch_size": 1, "max_num_tokens": 64}
+    plain = LLM(model=gemma_gguf, engine=tight)
+    windows = plain.engine.kv.cache.window_blocks
+    assert windows.num_blocks == 39 and windows.window == 512
+    assert [o.token_ids for o in plain.generate(prompts, params)] == want
+    # the tables' first blocks served the two requests one after the other (the pool hands
+    # them out in order); more of them than there are window blocks lost their copies
+    served = sum(-(-(len(whole.tokenizer.encode(p)) + 40 - 1) // 16) for p in prompts)
+    assert windows.num_free == 39 and windows.block_of[:served].count(windows.trash) >= served - 39 > 0
+    testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 4}, model=gemma_gguf, prompts=prompts,
+                                  dtype="auto", max_tokens=40, min_accepted=5, engine=tight)
+
+
 def test_sampled_output_follows_the_targets_distribution(gemma_gguf):
     """Prompt lookup's drafts verified by rejection sampling on Gemma's weights: the second
     token over 1500 seeds against its exact distribution, summed over the first. On the
