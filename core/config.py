@@ -220,7 +220,9 @@ class EngineConfig:
         max_batch_size: most requests decoded in one step.
         max_num_tokens: token budget of one target forward (prefill chunks included).
         block_size: tokens per KV cache block.
-        kv_cache_blocks: size of the KV pool in blocks; takes precedence when set.
+        kv_cache_blocks: size of the KV pool in blocks; takes precedence when set. A model's
+            sliding-window layers get pools of their own besides, a few windows per request
+            (``specdec.kvcache.window_blocks``; where those would not be smaller, one pool).
         kv_cache_memory_fraction: else, this share of the device's free memory (after loading).
         kv_cache_memory_mb: else, this many MiB.
         max_model_len: context length limit; defaults to the model's own.

@@ -131,6 +131,21 @@ def test_greedy_output_equals_the_stock_models_with_window_blocks_reused(tiny_mo
     assert windows.num_free == windows.num_blocks
 
 
+def test_requests_preempted_and_recomputed_over_window_blocks_answer_as_alone(tiny_models):
+    """Three long requests in a cache too small for them together: the newest is preempted,
+    its blocks and window blocks freed, and it comes back through the prefix cache (up to
+    where its last window is still held) to the same greedy answer."""
+    llm = _window_engine(tiny_models["gemma3_text"], max_batch_size=3, kv_cache_blocks=44)
+    windows = llm.engine.kv.cache.window_blocks
+    assert windows is not None and windows.num_blocks == 3 * (2 + 3) + 4
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    assert llm.engine.scheduler.num_preemptions > 0
+    ref = stock_model(tiny_models["gemma3_text"])
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == reference_greedy(ref, prompt, 32)
+    assert windows.num_free == windows.num_blocks and llm.engine.kv.pool.num_free == 44
+
+
 def test_chains_accepted_and_rolled_back_over_window_blocks_are_lossless(tiny_models):
     outs = testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 4}, tiny_models["gemma3_text"],
                                          prompts=PROMPTS, max_tokens=32, min_accepted=10, engine=WINDOW_ENGINE)
