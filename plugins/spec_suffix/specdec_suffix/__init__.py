@@ -8,12 +8,13 @@ process on the same model (``process``), which holds the outputs (and with
 ``cache_prompts`` the prompts) of finished requests, the least recently finished forgotten
 first beyond ``max_cached_requests`` or ``max_cached_tokens``. Each step every suffix of
 the request that a trie knows (up to ``max_match_len`` tokens) gives a tree of its
-continuations, drafted best first, a node scored by the product of its path's frequencies,
-nodes below ``min_token_prob`` left out, at most ``max_spec_factor * match +
-max_spec_offset`` nodes (a long match is trusted further) and no more nodes than the depth
-the planner chose, as the reference caps a tree by the speculative token count (a tree
-then costs what the chain the planner priced would, and holds the likeliest paths); of
-all these trees, in both tries, the one with the largest total score is proposed. A
+continuations, drafted best first, a node scored by the product of its path's frequencies
+(equal scores: the most recently seen first), nodes below ``min_token_prob`` left out, at
+most ``max_spec_factor * match + max_spec_offset`` nodes (a long match is trusted further)
+and no more nodes than the depth the planner chose, as the reference caps a tree by the
+speculative token count (a tree then costs what the chain the planner priced would, and
+holds the likeliest paths); of all these trees, in both tries, the one with the largest
+total score is proposed. A
 proposal's ``kind`` is its match length (capped at 8), so the planner learns how deep each
 kind pays.
 

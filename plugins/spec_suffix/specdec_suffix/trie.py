@@ -17,13 +17,15 @@ import heapq
 class Node:
     """A counted substring. ``kids`` is ``None`` (a leaf: most nodes), the one child (a
     substring followed by one token only: most of the rest), or a dict token -> child; a
-    child knows its ``token``. Small nodes are what bound a cache's bytes per token."""
+    child knows its ``token``. ``last``: the trie's clock when the substring last occurred.
+    Small nodes are what bound a cache's bytes per token."""
 
-    __slots__ = ("token", "count", "kids")
+    __slots__ = ("token", "count", "last", "kids")
 
     def __init__(self, token: int) -> None:
         self.token = token
         self.count = 0
+        self.last = 0
         self.kids: Node | dict[int, Node] | None = None
 
     def child(self, token: int) -> Node | None:
@@ -66,6 +68,8 @@ class SuffixTrie:
         self.depth = depth
         self.root = Node(-1)
         self.nodes = 1
+        #: tokens counted so far: when a substring last occurred (uncounting leaves it)
+        self.clock = 0
 
     def extend(self, open_nodes: list[Node], tokens: list[int], sign: int = 1) -> list[Node]:
         """Count ``tokens`` appended to a sequence whose last substrings (lengths 1 to
@@ -73,6 +77,7 @@ class SuffixTrie:
         ``sign`` -1 uncounts them (a node whose count reaches 0 is dropped)."""
         for token in tokens:
             extended = []
+            self.clock += sign > 0
             for node in [self.root, *open_nodes]:
                 child = node.child(token)
                 if child is None:
@@ -81,6 +86,8 @@ class SuffixTrie:
                     child = node.add_child(token)
                     self.nodes += 1
                 child.count += sign
+                if sign > 0:
+                    child.last = self.clock
                 if child.count <= 0:
                     node.drop_child(token)
                     self.nodes -= _size(child)
@@ -120,16 +127,18 @@ class SuffixTrie:
     @staticmethod
     def draft(node: Node, max_nodes: int, max_depth: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
         """The tree of continuations of ``node``, best first: each candidate's score is the
-        product of its path's frequencies (a child's count over its parent's), nodes below
-        ``min_prob`` are left out; at most ``max_nodes`` nodes, ``max_depth`` deep.
-        Returns tokens, parents and scores, parents before children."""
+        product of its path's frequencies (a child's count over its parent's), equal scores
+        the most recently seen first (as prompt lookup takes the latest match: a text's
+        nearby past is the better guess), nodes below ``min_prob`` are left out; at most
+        ``max_nodes`` nodes, ``max_depth`` deep. Returns tokens, parents and scores,
+        parents before children."""
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
-        heap = [(-c.count / node.count, c.token, -1, 1, c) for c in node.children()]
+        heap = [(-c.count / node.count, -c.last, c.token, -1, 1, c) for c in node.children()]
         heapq.heapify(heap)
         while heap and len(tokens) < max_nodes:
-            neg, tok, parent, depth, child = heapq.heappop(heap)
+            neg, _, tok, parent, depth, child = heapq.heappop(heap)
             if -neg < min_prob:
                 break
             tokens.append(tok)
@@ -138,7 +147,7 @@ class SuffixTrie:
             if depth < max_depth:
                 index = len(tokens) - 1
                 for c in child.children():
-                    heapq.heappush(heap, (neg * c.count / child.count, c.token, index, depth + 1, c))
+                    heapq.heappush(heap, (neg * c.count / child.count, -c.last, c.token, index, depth + 1, c))
         return tokens, parents, scores
 
 

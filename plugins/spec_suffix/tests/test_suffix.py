@@ -69,10 +69,20 @@ def test_the_draft_tree_is_best_first_with_frequencies_and_a_floor():
     node, _ = trie.match([0, 1, 2], longest=4)
     tokens, parents, scores = SuffixTrie.draft(node, max_nodes=10, max_depth=3, min_prob=0.2)
     # "1 2" was followed by 10 three times in four, 20 once; 10 by 11 twice in three
-    assert tokens == [10, 11, 12, 20, 21] and parents == [-1, 0, 0, -1, 3]  # ties: the smaller token first
+    assert tokens == [10, 11, 20, 21, 12] and parents == [-1, 0, -1, 2, 0]  # ties: the latest seen first
     assert scores == pytest.approx([0.75, 0.5, 0.25, 0.25, 0.25])
     assert SuffixTrie.draft(node, max_nodes=10, max_depth=3, min_prob=0.3)[0] == [10, 11]
     assert SuffixTrie.draft(node, max_nodes=2, max_depth=1, min_prob=0.0)[0] == [10, 20]
+
+
+def test_equally_frequent_continuations_are_drafted_latest_first():
+    trie = SuffixTrie(6)
+    trie.add([1, 2, 30, 1, 2, 40, 1, 2, 35])
+    node, _ = trie.match([1, 2], longest=4)
+    assert SuffixTrie.draft(node, max_nodes=3, max_depth=1, min_prob=0.0)[0] == [35, 40, 30]
+    trie.add([1, 2, 30])  # 30 now seen twice: frequency first
+    node, _ = trie.match([1, 2], longest=4)
+    assert SuffixTrie.draft(node, max_nodes=3, max_depth=1, min_prob=0.0)[0] == [30, 35, 40]
 
 
 def test_the_cache_forgets_the_least_recent_requests_beyond_its_bounds():
