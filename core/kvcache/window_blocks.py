@@ -48,6 +48,9 @@ class WindowBlocks:
     def num_free(self) -> int:
         return len(self.free_blocks)
 
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
     def released_before(self, num_computed: int) -> int:
         """How many leading blocks a sequence with ``num_computed`` committed tokens no
         longer reads: its next query, at ``num_computed``, sees keys from ``num_computed -

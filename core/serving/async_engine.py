@@ -114,7 +114,7 @@ def engine_info(llm) -> EngineInfo:
 
 def engine_stats(engine) -> dict:
     """The engine's counters and gauges, as /metrics reports them."""
-    totals, pool = engine.totals, engine.kv.pool
+    totals, pool, windows = engine.totals, engine.kv.pool, engine.kv.windows
     graphs = engine.cuda_graphs
     return {"draft_tokens": totals.num_draft_tokens, "accepted_tokens": totals.num_accepted_tokens,
             "target_steps": totals.num_steps, "preemptions": engine.scheduler.num_preemptions,
@@ -124,6 +124,8 @@ def engine_stats(engine) -> dict:
             "per_position_acceptance": list(totals.per_position_acceptance),
             "queue_depth": len(engine.scheduler.waiting), "running_requests": len(engine.scheduler.running),
             "kv_cache_usage": pool.usage(), "kv_cache_blocks": pool.num_blocks,
+            "kv_window_usage": windows.usage() if windows else 0.0,
+            "kv_window_blocks": windows.num_blocks if windows else 0,
             "prefix_cache_queried_tokens": engine.kv.prefix_queried_tokens,
             "prefix_cache_hit_tokens": engine.kv.prefix_hit_tokens,
             "cuda_graphs": None if graphs is None else {"replayed": graphs.replays, "eager": graphs.eager_steps,

@@ -19,7 +19,11 @@ _GAUGES = (("specdec_acceptance_length", "mean tokens per target step, finished 
            ("specdec_queue_depth", "requests waiting", "queue_depth"),
            ("specdec_running_requests", "requests running", "running_requests"),
            ("specdec_kv_cache_usage", "share of KV blocks in use", "kv_cache_usage"),
-           ("specdec_kv_cache_blocks", "KV blocks in the pool", "kv_cache_blocks"))
+           ("specdec_kv_cache_blocks", "KV blocks in the pool", "kv_cache_blocks"),
+           ("specdec_kv_window_usage", "share of the sliding-window layers' own KV blocks in use",
+            "kv_window_usage"),
+           ("specdec_kv_window_blocks", "the sliding-window layers' own KV blocks (0: they use the pool)",
+            "kv_window_blocks"))
 
 
 class _EngineCollector:

@@ -189,3 +189,21 @@ def test_the_kv_budget_gives_what_the_windows_leave_to_the_layers_that_keep_ever
     whole = budget // (4 * PagedKVCache.bytes_per_token(llm.engine.target.layer_shapes, torch.float32))
     assert budget - 4096 < held <= budget + 2 * 4096  # the trash block and the scratch slot past it
     assert llm.engine.kv.pool.num_blocks > 2.9 * whole
+
+
+def test_metrics_report_the_window_pools_blocks_and_their_use(tiny_models):
+    from specdec.serving.async_engine import engine_stats
+    from specdec.serving.metrics import ServerMetrics
+
+    llm = _window_engine(tiny_models["gemma3_text"])
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prompt's first chunk holds window blocks now
+    held = engine_stats(engine)
+    assert held["kv_window_blocks"] == 14 and held["kv_window_usage"] == engine.kv.windows.usage() > 0
+    while engine.has_unfinished():
+        engine.step()
+    exposed = ServerMetrics().render(engine_stats(engine), 0).decode()
+    assert "specdec_kv_window_blocks 14.0" in exposed and "specdec_kv_window_usage 0.0" in exposed
+    plain = ServerMetrics().render(engine_stats(_window_engine(tiny_models["llama"]).engine), 0).decode()
+    assert "specdec_kv_window_blocks 0.0" in plain
