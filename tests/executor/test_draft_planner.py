@@ -80,6 +80,23 @@ def test_choice_matches_brute_force_on_random_batches():
         assert rate_of(options, depths, base, cost) == pytest.approx(brute_force(options, base, cost)[0], rel=2e-3)
 
 
+def test_the_search_stops_once_no_deeper_draft_can_pay_and_still_finds_the_best():
+    """Costs only grow with the tokens verified: once the gains left cannot lift the rate
+    over the best at today's cost, the search ends, with the brute force's answer."""
+    rng = random.Random(1)
+    stopped_early = 0
+    for _ in range(80):
+        a, b = rng.uniform(0.01, 0.05), rng.uniform(0.001, 0.01)
+        calls = []
+        cost = lambda n, *_, a=a, b=b, calls=calls: calls.append(n) or a + b * n
+        options = [chain(rng.uniform(0.3, 0.9), rng.randint(2, 5)) for _ in range(rng.randint(2, 4))]
+        base = len(options)
+        depths = best_depths(options, base, cost)
+        stopped_early += len(calls) < 1 + sum(len(o.nodes) - 1 for o in options)
+        assert rate_of(options, depths, base, cost) == pytest.approx(brute_force(options, base, cost)[0], rel=2e-3)
+    assert stopped_early > 40
+
+
 def test_tree_nodes_count_against_the_step():
     cost = lambda n, *_: 1.0 + 0.2 * n
     tree = DraftOption(gains=[0.9, 0.8, 0.7], nodes=[0, 2, 6, 14])  # wider at every level

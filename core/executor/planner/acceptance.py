@@ -3,6 +3,10 @@
 A request's estimate leans on the engine-wide one until it has evidence of its own, so
 that a new request starts where the engine's traffic stands and then follows its own text
 (a request that copies its prompt accepts far more than one that does not).
+
+The planner reads the curve of every kind for every request each step (eight match lengths
+times a batch of eight: 64 curves a step): each estimate keeps the curves it worked out
+until it or its prior observes again, so a step works each out once.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ class AcceptanceStats:
     initial_rate: float = 0.5
     counts: dict[Hashable, list[list[float]]] = attrs.Factory(dict)  # kind -> [[reached, accepted], ...]
     asks: list[float] = attrs.Factory(lambda: [0.0, 0.0])  # [times the drafter was asked, times it drafted]
+    version: int = attrs.field(default=0, init=False)  # drafts observed: what a memo of rates was worked out at
+    _memo: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)  # (what, kind, depth) -> rates, curve
+    _memo_prior: int = attrs.field(default=-1, init=False, repr=False, eq=False)  # the prior's version it holds
 
     def observe_ask(self, drafted: bool) -> None:
         """The drafter was asked for a draft and proposed one (``drafted``) or nothing."""
@@ -38,6 +45,8 @@ class AcceptanceStats:
 
     def observe(self, kind: Hashable, depth: int, accepted: int) -> None:
         """A draft of ``kind`` and ``depth`` had its first ``accepted`` positions accepted."""
+        self.version += 1
+        self._memo.clear()
         rows = self.counts.setdefault(kind, [])
         for row in rows:
             row[0] *= self.decay
@@ -57,7 +66,22 @@ class AcceptanceStats:
         longer drafts would pay); position 0 without any evidence on the initial guess.
         The engine-wide estimate guesses a kind it never verified at least as well as its
         verified drafts of every kind together (:meth:`pooled_rates`), so that a new kind
-        (a longer ngram match, say) is not refused on the initial guess alone."""
+        (a longer ngram match, say) is not refused on the initial guess alone. The list is
+        shared with later calls until the next observation: read it, do not change it."""
+        return self._memoized("rates", kind, depth, self._rates)
+
+    def _memoized(self, what: str, kind: Hashable, depth: int, work) -> list[float]:
+        prior = self.prior.version if self.prior is not None else 0
+        if prior != self._memo_prior:
+            self._memo.clear()
+            self._memo_prior = prior
+        key = (what, kind, depth)
+        out = self._memo.get(key)
+        if out is None:
+            out = self._memo[key] = work(kind, depth)
+        return out
+
+    def _rates(self, kind: Hashable, depth: int) -> list[float]:
         rows = self.counts.get(kind, ())
         prior_rates = self.prior.rates(kind, depth) if self.prior is not None else None
         unseen = self.pooled_rates(depth) if self.prior is None and not self.has_seen(kind, 0) else None
@@ -97,7 +121,10 @@ class AcceptanceStats:
         return position < len(rows) and rows[position][0] >= 1.0
 
     def curve(self, kind: Hashable, depth: int) -> list[float]:
-        """``P(at least j positions accepted)`` for ``j = 1..depth``."""
+        """``P(at least j positions accepted)`` for ``j = 1..depth`` (shared as :meth:`rates`)."""
+        return self._memoized("curve", kind, depth, self._curve)
+
+    def _curve(self, kind: Hashable, depth: int) -> list[float]:
         out, p = [], 1.0
         for rate in self.rates(kind, depth):
             p *= rate

@@ -92,6 +92,10 @@ def best_depths(options: list[DraftOption], base_tokens: int, step_seconds: Call
     depths = [0] * len(options)
     tokens, expected, deepest, widest, drafting = base_tokens, float(len(options)), 0, 1, 0
     best_rate, best = expected / step_seconds(tokens, widest, drafting), list(depths)
+    # every gain still to add: no later prefix expects more than ``expected + left`` tokens,
+    # nor takes less time than this one (the costs only grow), so the search stops once
+    # that bound cannot beat the best rate (at a batch of eight, after a quarter of it)
+    left = sum(sum(opt.gains[:len(opt.nodes) - 1]) for opt in options)
     heap = []
 
     def push(i: int) -> None:
@@ -107,13 +111,16 @@ def best_depths(options: list[DraftOption], base_tokens: int, step_seconds: Call
         opt = options[i]
         tokens += opt.nodes[j] - opt.nodes[j - 1]
         expected += opt.gains[j - 1]
+        left -= opt.gains[j - 1]
         drafting += j == 1
         depths[i] = j
         deepest = max(deepest, j)
         widest = max(widest, 1 + opt.nodes[j])
-        rate = expected / (step_seconds(tokens, widest, drafting) + draft_seconds(deepest, expected))
-        if rate > best_rate * 1.001:  # a draft must pay, not tie
-            best_rate, best = rate, list(depths)
+        seconds = step_seconds(tokens, widest, drafting) + draft_seconds(deepest, expected)
+        if expected / seconds > best_rate * 1.001:  # a draft must pay, not tie
+            best_rate, best = expected / seconds, list(depths)
+        elif (expected + left) / seconds <= best_rate * 1.001:
+            break
         push(i)
     return best
 
