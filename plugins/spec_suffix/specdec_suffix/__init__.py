@@ -123,13 +123,16 @@ class SuffixDrafter(Drafter):
         reference does (a shorter match with more agreeing continuations can beat the
         longest): (score, tokens, parents, match length), or None."""
         _, longest = trie.match(context, self.config.max_match_len)
-        best = None
+        best, seen = None, None  # seen: (count, the deepest continuation) of the last match drafted
         for matched in range(longest, 0, -1):
             budget = min(nodes, depth, int(self.config.max_spec_factor * matched + self.config.max_spec_offset + 1e-6))
             if budget <= 0:
                 break  # shorter matches get no more nodes
-            tokens, parents, scores = trie.draft(trie.node_of(context[len(context) - matched:]), budget, depth,
-                                                 self.config.min_token_prob)
+            node = trie.node_of(context[len(context) - matched:])
+            if seen is not None and node.count == seen[0] and budget <= seen[1]:
+                continue  # it occurred only where the longer match did: the same tree, no more nodes
+            tokens, parents, scores = trie.draft(node, budget, depth, self.config.min_token_prob)
+            seen = (node.count, trie.depth - matched)
             if tokens and (best is None or sum(scores) > best[0]):
                 best = (sum(scores), tokens, parents, matched)
         return best

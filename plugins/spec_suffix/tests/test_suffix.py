@@ -118,6 +118,40 @@ def test_a_request_drafts_from_itself_and_from_finished_requests_unless_they_opt
     assert private.cache.tokens == 0 and private.cache.trie.nodes == 1
 
 
+def test_a_match_that_occurred_only_where_a_longer_one_did_is_not_drafted_again():
+    """A shorter suffix as frequent as the longer one before it has the same continuations
+    and no more nodes: skipping its draft leaves every proposal as drafting each match gives."""
+    import random
+
+    rng = random.Random(0)
+    phrases = [[rng.randrange(40) for _ in range(rng.randint(3, 9))] for _ in range(12)]
+    text = [t for _ in range(60) for t in rng.choice(phrases) + [rng.randrange(40)]]  # repeats and noise
+    for options in ({}, {"max_spec_factor": 2.0, "max_tree_depth": 10}, {"max_tree_depth": 6, "max_match_len": 5}):
+        drafter = SuffixDrafter(config(**options), target=None)
+        trie, open_nodes, skipped = SuffixTrie(drafter.config.max_tree_depth), [], 0
+        drafted = []
+        trie.draft = lambda *args, draft=trie.draft: drafted.append(args) or draft(*args)
+        for i, token in enumerate(text):
+            open_nodes = trie.extend(open_nodes, [token])
+            for depth, nodes in ((16, 16), (3, 3), (6, 20)):
+                drafted.clear()
+                got = drafter._propose(trie, text[:i + 1], depth, nodes)
+                _, longest = trie.match(text[:i + 1], drafter.config.max_match_len)
+                every = None
+                for matched in range(longest, 0, -1):
+                    budget = min(nodes, depth, int(drafter.config.max_spec_factor * matched))
+                    if budget <= 0:
+                        break
+                    tokens, parents, scores = SuffixTrie.draft(trie.node_of(text[i + 1 - matched:i + 1]), budget,
+                                                               depth, drafter.config.min_token_prob)
+                    if tokens and (every is None or sum(scores) > every[0]):
+                        every = (sum(scores), tokens, parents, matched)
+                    skipped += 1
+                skipped -= len(drafted)
+                assert got == every, (options, i, depth)
+        assert skipped > len(text)  # the rule saved drafts
+
+
 def test_the_process_scope_shares_one_cache_between_drafters():
     a = SuffixDrafter(config(cache_scope="process"), target=None)
     b = SuffixDrafter(config(cache_scope="process"), target=None)
