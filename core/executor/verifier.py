@@ -20,6 +20,7 @@ import time
 import torch
 
 from ..drafting.interface import StepResult
+from ..kernels import argmax_rows
 from ..sampler import (
     Verdict,
     probs_from_logits,
@@ -95,7 +96,7 @@ class Verifier:
         if not chosen:
             return {}
         rows = torch.cat([torch.arange(it.logits_from, it.logits_from + 1 + it.num_nodes) for it in chosen])
-        argmax = logits.argmax(-1).index_select(0, rows.to(logits.device))
+        argmax = argmax_rows(logits).index_select(0, rows.to(logits.device))
         verdicts = verify_greedy_batch(argmax, [it.proposal for it in chosen])
         return {id(it): v for it, v in zip(chosen, verdicts)}
 
@@ -123,7 +124,7 @@ class Verifier:
                 req.metrics.lossless = False
                 return verdict
         if params.greedy:  # greedy with penalties or biases, or outside a lossy rule's scope
-            return verify_greedy(probs.argmax(-1).tolist(), prop)
+            return verify_greedy(argmax_rows(probs).tolist(), prop)
         return self._sampled(req, probs, prop)
 
     @staticmethod

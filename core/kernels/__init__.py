@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .argmax import argmax_rows
 from .attention import gather_context, grouped_attention, paged_attention_torch
 from .cpu import invariant_attention_cpu
 from .cpu import kernel_available as cpu_kernel_available
@@ -142,6 +143,6 @@ def __getattr__(name: str):  # names that moved out, for one release
     return moved_attribute(__name__, name)
 
 
-__all__ = ["KernelError", "chain_rejection", "copy_kv_slots", "gather_context", "greedy_tree_verify",
+__all__ = ["KernelError", "argmax_rows", "chain_rejection", "copy_kv_slots", "gather_context", "greedy_tree_verify",
            "grouped_attention", "invariant_attention", "invariant_attention_is_kernel", "paged_attention",
            "paged_attention_is_triton", "prepack_linear", "prepack_linears", "use_triton"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import argmax_rows
 from ..sampling_params import SamplingParams
 
 
@@ -49,7 +50,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     """
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax_rows(logits), logits.shape[-1]).float()
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -78,7 +79,7 @@ def pick_draft_token(logits: torch.Tensor, params: SamplingParams, generator: to
     the rejection sampler.
     """
     if params.greedy:
-        best = int(logits.argmax())
+        best = int(argmax_rows(logits))
         return (best if draft_to_target is None else int(draft_to_target[best])), None
     q_small = probs_from_logits(logits[None], params)[0]
     q = torch.zeros(vocab_size, device=q_small.device)

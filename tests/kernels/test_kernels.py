@@ -253,3 +253,23 @@ def test_a_kernel_failing_after_a_partial_write_fails_loudly(monkeypatch):
     assert keys[1:3].flatten().tolist() == [4.0, 5.0, 6.0, 7.0]  # the keys moved once, not twice
     kernels.copy_kv_slots(keys, values, src, dst)  # later calls: the reference, no kernel
     assert len(launches) == 2 and values[1:3].flatten().tolist() == [4.0, 5.0, 6.0, 7.0]
+
+
+def test_argmax_rows_gives_torchs_argmax_on_ties_nans_infinities_and_views():
+    """The numpy path for CPU float rows answers as torch.argmax does: the first maximum,
+    the first NaN, all -inf rows at 0, strided views, one row or many; other dtypes fall
+    back to torch."""
+    from specdec.kernels import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 49152, generator=g)
+    rows[1, 7] = rows[1, 900] = rows[1].max() + 1  # a tie: the first
+    rows[2, 3000] = float("nan")
+    rows[2, 4000] = float("nan")
+    rows[3] = float("-inf")
+    rows[4, :10] = float("inf")
+    for x in (rows, rows[:, ::3], rows[2], rows.double(), rows[:0], rows.t()):
+        got = argmax_rows(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1))
+    for x in (rows.bfloat16(), rows.half(), rows.to(torch.int32), rows.clone().requires_grad_()):
+        assert torch.equal(argmax_rows(x), x.argmax(-1))
