@@ -1,0 +1,79 @@
+"""Where an engine step's time goes, stage by stage: each method's engine runs a prompt set
+as `specdec bench` does (multi-turn conversations turn by turn, ``--batch-size`` requests
+together, the bench's warm-up first), with every stage of its step timed.
+
+    .venv/bin/python scripts/step_stages.py plain ngram suffix [--dataset benchmarks/agentic.jsonl]
+        [--categories agent] [--batch-size 1] [--max-tokens 128]
+
+Prints, per method, tokens/s and engine steps, then the milliseconds a step of each stage:
+the target's forward, the verifier, the planner (before drafting, trimming, observing), the
+drafter's hooks (drafting, learning from verified tokens), the scheduler, output and KV
+commit. The stages outside the forward are what speculation costs besides the verified
+rows; the methods run one after another in one process (run it twice, in both orders, to
+compare speeds; the per-stage costs are steadier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+from specdec import LLM, SamplingParams
+from specdec.bench.runner import WARMUP, CategoryResult, _prompt_sets, run_llm
+
+#: (owner attribute of the engine or None for the engine itself, method, label)
+STAGES = [(None, "forward", "forward"), ("verifier", "verify", "verify"), ("scheduler", "schedule", "schedule"),
+          ("outputs", "process", "outputs"), ("kv_commit", "commit", "commit"),
+          ("planner", "plan", "planner: plan"), ("planner", "trim", "planner: trim"),
+          ("planner", "observe_step", "planner: observe"),
+          ("hooks", "prepare_draft_tokens", "drafter: draft"), ("hooks", "on_draft_verified", "drafter: verified")]
+
+
+def timed(engine, seconds: collections.Counter) -> None:
+    """Wrap each stage of ``engine`` (those it has) to add its wall time into ``seconds``."""
+    for owner, name, label in [*STAGES, (None, "step", "step")]:
+        obj = engine if owner is None else getattr(engine, owner, None)
+        if obj is None:
+            continue
+        inner = getattr(obj, name)
+
+        def stage(*args, _inner=inner, _label=label, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                seconds[_label] += time.perf_counter() - started
+                seconds[_label + " calls"] += 1
+        setattr(obj, name, stage)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("methods", nargs="+", help="plain or a decoding type")
+    parser.add_argument("--dataset")
+    parser.add_argument("--categories", nargs="*")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    sets = _prompt_sets(args.dataset, args.categories, args.batch_size)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=0)
+    for method in args.methods:
+        llm = LLM(speculative_config=None if method == "plain" else {"decoding_type": method})
+        llm.generate([llm.apply_chat_template(WARMUP)], SamplingParams(max_tokens=4, temperature=0.0))
+        seconds: collections.Counter = collections.Counter()
+        timed(llm.engine, seconds)
+        res = CategoryResult()
+        for conversations in sets.values():
+            run_llm(llm, conversations, params, args.batch_size, res)
+        steps = seconds["step calls"]
+        print(f"{method}: {res.tokens / res.seconds:.1f} tok/s, {steps} steps, {1000 * seconds['step'] / steps:.3f} ms "
+              "a step")
+        for label in [label for *_, label in STAGES if seconds[label + " calls"]]:
+            print(f"  {label:20s} {1000 * seconds[label] / steps:7.3f} ms a step")
+        outside = seconds["step"] - sum(seconds[label] for _, _, label in STAGES)
+        print(f"  {'the rest':20s} {1000 * outside / steps:7.3f} ms a step (the draft stage's items, metrics)")
+
+
+if __name__ == "__main__":
+    main()
