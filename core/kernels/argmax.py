@@ -1,8 +1,8 @@
 """The index of the largest value of each row, as ``torch.argmax(x, -1)``.
 
 torch's CPU argmax does not vectorise a reduction over a row of the vocabulary; numpy's
-does (about twenty times faster on a 49,152-logit row: BENCHMARKS.md, "Verifying a
-step"). Both give the first index of the maximum, and of a NaN where a row holds one, so
+does (about ten times faster on a 49,152-logit row: BENCHMARKS.md, "Verifying a step").
+Both give the first index of the maximum, and of a NaN where a row holds one, so
 the answer is the same; other devices and dtypes, and tensors that need their graph,
 keep torch's.
 """
