@@ -7,8 +7,9 @@ with planner attributes of its own, over a prompt set in batches.
         [--max-tokens 96] [--threads 2]
 
 What ``specdec bench`` does for methods, for settings that are not configuration: the
-batches are interleaved one by one in an order that rotates, and every repetition builds
-fresh engines (ngram's pool must not find the previous repetition's answers). A variant
+batches are interleaved one by one in an order that rotates, multi-turn conversations go
+turn by turn with each engine's own answers (the bench's runner), and every repetition
+builds fresh engines (ngram's pool must not find the previous repetition's answers). A variant
 sets attributes of the engine's :class:`~specdec.executor.planner.DraftPlanner`, or of its
 parts by a dotted name (``request_prior_weight=1``, ``probes.share=0.01``; several separated
 by commas). Prints
@@ -19,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 
 import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench.prompt_sets import PROMPTS, load_jsonl, messages
-from specdec.bench.runner import WARMUP, concurrent_requests
+from specdec.bench.runner import WARMUP, CategoryResult, concurrent_requests, run_llm
 
 
 def parse_settings(text: str) -> dict[str, float]:
@@ -81,9 +81,9 @@ def main() -> None:
     labels = ["plain"] + [f"{i} {args.method} {','.join(f'{k}={v:g}' for k, v in v.items()) or 'defaults'}"
                           for i, v in enumerate(variants, start=1)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=0)
-    tokens, seconds = dict.fromkeys(labels, 0), dict.fromkeys(labels, 0.0)
+    results = {label: CategoryResult() for label in labels}
     batch_seconds: dict[tuple[str, int], float] = {}
-    texts: dict[str, list[str]] = {}
+    answers: dict[str, list[list[int]]] = {}
     for rep in range(args.repetitions):
         llms = {"plain": LLM()}
         for label, settings in zip(labels[1:], variants):
@@ -94,23 +94,21 @@ def main() -> None:
         for turn, start in enumerate(range(0, len(conversations), args.batch_size)):
             shift = (turn + rep) % len(labels)
             for label in labels[shift:] + labels[:shift]:
-                started = time.perf_counter()
-                outs = llms[label].chat(conversations[start:start + args.batch_size], params)
-                took = time.perf_counter() - started
-                seconds[label] += took
-                batch_seconds[label, turn] = batch_seconds.get((label, turn), 0.0) + took
-                tokens[label] += sum(len(o.token_ids) for o in outs)
+                res = results[label]
+                before, answered = res.seconds, len(res.outputs or [])
+                run_llm(llms[label], conversations[start:start + args.batch_size], params, args.batch_size, res)
+                batch_seconds[label, turn] = batch_seconds.get((label, turn), 0.0) + res.seconds - before
                 if rep == 0:
-                    texts.setdefault(label, []).extend(o.text for o in outs)
+                    answers.setdefault(label, []).extend(res.outputs[answered:])
         del llms
         gc.collect()
-    plain = tokens["plain"] / seconds["plain"]
-    print(f"# {len(conversations)} requests at batch {args.batch_size}, {args.max_tokens} tokens, "
-          f"{args.repetitions} repetitions, {args.threads} threads, the default target")
+    plain = results["plain"].tokens / results["plain"].seconds
+    print(f"# {len(conversations)} conversations ({len(answers['plain'])} answers) at batch {args.batch_size}, "
+          f"{args.max_tokens} tokens, {args.repetitions} repetitions, {args.threads} threads, the default target")
     for label in labels:
-        rate = tokens[label] / seconds[label]
-        same = sum(a == b for a, b in zip(texts[label], texts["plain"]))
-        print(f"{label:40s} {rate:7.1f} tok/s  {rate / plain:.3f}x  same {same}/{len(texts['plain'])}")
+        rate = results[label].tokens / results[label].seconds
+        same = sum(a == b for a, b in zip(answers[label], answers["plain"]))
+        print(f"{label:40s} {rate:7.1f} tok/s  {rate / plain:.3f}x  same {same}/{len(answers['plain'])}")
     if args.per_batch:
         turns = range(0, -(-len(conversations) // args.batch_size))
         print("per batch, plain's time over each system's: " + " ".join(f"b{t}" for t in turns))
