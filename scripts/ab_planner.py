@@ -9,11 +9,11 @@ with planner attributes of its own, over a prompt set in batches.
 What ``specdec bench`` does for methods, for settings that are not configuration: the
 batches are interleaved one by one in an order that rotates, multi-turn conversations go
 turn by turn with each engine's own answers (the bench's runner), and every repetition
-builds fresh engines (ngram's pool must not find the previous repetition's answers). A variant
-sets attributes of the engine's :class:`~specdec.executor.planner.DraftPlanner`, or of its
-parts by a dotted name (``request_prior_weight=1``, ``probes.share=0.01``; several separated
-by commas). Prints
-each system's tokens/s, its ratio to plain, and how many of its answers equal plain's.
+builds fresh engines (ngram's pool must not find the previous repetition's answers). A
+variant sets attributes of the engine's :class:`~specdec.executor.planner.DraftPlanner`, or
+of its parts by a dotted name (``request_prior_weight=1``, ``probes.share=0.01``; several
+separated by commas). Prints each system's tokens/s, its ratio to plain, and how many of
+its answers equal plain's.
 """
 
 from __future__ import annotations

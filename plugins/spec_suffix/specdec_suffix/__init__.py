@@ -14,9 +14,8 @@ most ``max_spec_factor * match + max_spec_offset`` nodes (a long match is truste
 and no more nodes than the depth the planner chose, as the reference caps a tree by the
 speculative token count (a tree then costs what the chain the planner priced would, and
 holds the likeliest paths); of all these trees, in both tries, the one with the largest
-total score is proposed. A
-proposal's ``kind`` is its match length (capped at 8), so the planner learns how deep each
-kind pays.
+total score is proposed. A proposal's ``kind`` is its match length (capped at 8), so the
+planner learns how deep each kind pays.
 
 A request whose ``SamplingParams.extra_args`` holds ``{"suffix_cache": False}`` never
 enters the cache (it still drafts from it and from itself). The cache changes which
