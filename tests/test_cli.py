@@ -27,8 +27,8 @@ def test_config_check_prints_resolved_config_and_fails_on_errors(tmp_path):
 
 
 def test_generate_streams_text_and_prints_stats():
-    result = specdec("generate", "--stats", "-d", "ngram", "-k", "4", "-n", "24", "-t", "0", "--dtype", "float32",
-                     "Repeat: one two three four. one two three four. one two")
+    result = specdec("generate", "--stats", "-d", "ngram", "-k", "4", "-n", "24", "-t", "0",
+                     "--set", "engine.compile=false", "Repeat: one two three four. one two three four. one two")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "tok/s" in result.stderr and "acceptance length" in result.stderr
@@ -37,7 +37,7 @@ def test_generate_streams_text_and_prints_stats():
 
 def test_generate_reads_stdin_and_flags_override_yaml(tmp_path):
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("dtype: float32\nsampling: {temperature: 0, max_tokens: 50}\n")
+    cfg.write_text("engine: {compile: false}\nsampling: {temperature: 0, max_tokens: 50}\n")
     a = specdec("generate", "-c", str(cfg), "-n", "5", input="The capital of France is")
     assert a.returncode == 0, a.stderr
     b = specdec("generate", "-c", str(cfg), "-n", "5", "The capital of France is")
