@@ -58,6 +58,18 @@ def smol():
 
 
 @pytest.fixture(scope="session")
+def w4a8():
+    """The embedded model on the default target (the GGUF's blocks on the integer-dot
+    kernels, batch-invariant), eager (``compile: false``): for checks of the engine's and the
+    server's behaviour rather than of float32 numerics. Its answers are the same however
+    requests are batched, and it decodes four times as fast as float32, whose weights a step
+    streams four times over."""
+    from specdec import LLM
+
+    return LLM(engine={"compile": False})
+
+
+@pytest.fixture(scope="session")
 def smol_hf():
     """The same weights as a stock transformers model (the reference)."""
     from transformers import AutoModelForCausalLM

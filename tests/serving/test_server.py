@@ -20,15 +20,6 @@ PROMPTS = [f"Here is a list of {i + 2} fruits:\n1." for i in range(16)]
 
 
 @pytest.fixture(scope="module")
-def local():
-    """The embedded model as the servers here run it: the default target (the GGUF's blocks
-    on the integer-dot kernels, batch-invariant), eager (``compile: false``). Its answers
-    equal the served ones however requests are batched, and it decodes four times as fast
-    as float32, whose weights a step streams four times over."""
-    return LLM(engine={"compile": False})
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with running_server("speculative_config: {decoding_type: ngram, max_draft_len: 6, adaptive: false}\n"
                         "engine: {max_batch_size: 16, compile: false}\nsampling: {temperature: 0, max_tokens: 24}\n",
@@ -77,7 +68,7 @@ def test_the_server_resolves_its_engine_as_llm_does(tmp_path):
     assert served == default.resolved and served["quantization"] == "w4a8"
 
 
-def test_a_killed_engine_process_fails_its_requests_and_a_new_one_serves(tmp_path, local):
+def test_a_killed_engine_process_fails_its_requests_and_a_new_one_serves(tmp_path, w4a8):
     """SIGKILL to the engine process with requests in flight: streamed and whole requests end
     with errors in OpenAI's shape naming the cause, the server answers /health with 503
     while a new engine starts, then serves the openai client the same answers as before."""
@@ -86,7 +77,7 @@ def test_a_killed_engine_process_fails_its_requests_and_a_new_one_serves(tmp_pat
     with running_server("engine: {compile: false}\nsampling: {temperature: 0}\n", tmp_path) as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "Name three primary colors."}]
-        expected = local.chat(messages, SamplingParams(max_tokens=12, temperature=0.0))[0].text
+        expected = w4a8.chat(messages, SamplingParams(max_tokens=12, temperature=0.0))[0].text
         assert client.chat.completions.create(model="any", messages=messages, max_tokens=12).choices[0] \
             .message.content == expected
         port = base.rsplit(":", 1)[1]
@@ -122,21 +113,21 @@ def test_a_killed_engine_process_fails_its_requests_and_a_new_one_serves(tmp_pat
         assert metrics(base)["specdec_engine_restarts_total"] == 1
 
 
-def test_completion_equals_offline_generate(server, local):
+def test_completion_equals_offline_generate(server, w4a8):
     body = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0},
                       timeout=120).json()
-    offline = local.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    offline = w4a8.generate(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert body["choices"][0]["text"] == offline.text
     assert body["usage"]["completion_tokens"] == len(offline.token_ids)
     spec = body["usage"]["speculative"]
     assert spec["num_steps"] >= 1 and "acceptance_length" in spec and "per_position_acceptance" in spec
 
 
-def test_chat_completion_equals_offline_chat(server, local):
+def test_chat_completion_equals_offline_chat(server, w4a8):
     messages = [{"role": "user", "content": "Name three primary colors."}]
     body = httpx.post(f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": 20,
                                                              "temperature": 0}, timeout=120).json()
-    offline = local.chat(messages, SamplingParams(max_tokens=20, temperature=0.0))[0]
+    offline = w4a8.chat(messages, SamplingParams(max_tokens=20, temperature=0.0))[0]
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": offline.text}
 
@@ -160,7 +151,7 @@ def test_streaming_matches_non_streaming(server):
     assert final["choices"][0]["finish_reason"] in ("length", "stop") and "usage" in final
 
 
-def test_sixteen_concurrent_clients_share_the_batch_and_match_offline(server, local):
+def test_sixteen_concurrent_clients_share_the_batch_and_match_offline(server, w4a8):
     def ask(prompt):
         r = httpx.post(f"{server}/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0},
                        timeout=300)
@@ -168,7 +159,7 @@ def test_sixteen_concurrent_clients_share_the_batch_and_match_offline(server, lo
 
     with ThreadPoolExecutor(16) as pool:
         texts = list(pool.map(ask, PROMPTS))
-    offline = local.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
+    offline = w4a8.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
     assert texts == [o.text for o in offline]
 
 
@@ -219,22 +210,22 @@ def test_metrics_report_speculation(server):
     assert "specdec_queue_depth" in m and "specdec_kv_cache_blocks" in m
 
 
-def test_the_official_openai_client_gets_the_same_answers(server, local):
+def test_the_official_openai_client_gets_the_same_answers(server, w4a8):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
     done = client.completions.create(model="any", prompt=PROMPTS[3], max_tokens=24, temperature=0)
-    offline = local.generate(PROMPTS[3], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    offline = w4a8.generate(PROMPTS[3], SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert done.choices[0].text == offline.text and done.usage.completion_tokens == len(offline.token_ids)
     messages = [{"role": "user", "content": "Name two colors."}]
     chat = client.chat.completions.create(model="any", messages=messages, max_tokens=16, temperature=0)
     streamed = stream_chat(client, messages[0]["content"], max_tokens=16, temperature=0)
-    assert chat.choices[0].message.content == streamed == local.chat(messages, SamplingParams(
+    assert chat.choices[0].message.content == streamed == w4a8.chat(messages, SamplingParams(
         max_tokens=16, temperature=0.0))[0].text
-    assert [m.id for m in client.models.list().data] == [local.target.name]
+    assert [m.id for m in client.models.list().data] == [w4a8.target.name]
 
 
-def test_openai_fields_specdec_lacks_are_refused_not_ignored(server, local):
+def test_openai_fields_specdec_lacks_are_refused_not_ignored(server, w4a8):
     """The OpenAI client's ``max_completion_tokens`` (its newer name for chat's
     ``max_tokens``) limits the answer; sampling fields specdec does not implement are a 422
     naming the field where they would change the answer, and accepted where they are off."""
@@ -244,19 +235,19 @@ def test_openai_fields_specdec_lacks_are_refused_not_ignored(server, local):
     messages = [{"role": "user", "content": "Name two colors."}]
     chat = client.chat.completions.create(model="any", messages=messages, max_completion_tokens=5, temperature=0)
     assert chat.usage.completion_tokens == 5
-    want = local.chat(messages, SamplingParams(max_tokens=5, temperature=0.0))[0].text
+    want = w4a8.chat(messages, SamplingParams(max_tokens=5, temperature=0.0))[0].text
     assert chat.choices[0].message.content == want
     with pytest.raises(UnprocessableEntityError, match="disagree"):
         client.chat.completions.create(model="any", messages=messages, max_tokens=4, max_completion_tokens=6)
     off = client.chat.completions.create(model="any", messages=messages, max_tokens=4, temperature=0,
                                          frequency_penalty=0, presence_penalty=0.0, logprobs=False, user="u1")
-    assert off.choices[0].message.content == local.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))[0].text
+    assert off.choices[0].message.content == w4a8.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))[0].text
     for field, value in (("best_of", 3), ("suffix", "x"), ("tools", [{"type": "function"}])):
         r = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, field: value})
         assert r.status_code == 422 and field in r.json()["error"]["message"]
 
 
-def test_penalties_logit_bias_and_min_tokens_reach_the_engine(server, local):
+def test_penalties_logit_bias_and_min_tokens_reach_the_engine(server, w4a8):
     """OpenAI's frequency_penalty, presence_penalty and logit_bias (token ids as strings) and
     vLLM's min_tokens answer as the Python API does with the same SamplingParams; a bias out
     of range or a token outside the vocabulary is a 4xx naming it."""
@@ -264,11 +255,11 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine(server, local):
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
     messages = [{"role": "user", "content": "List five fruits."}]
-    banned = local.chat(messages, SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+    banned = w4a8.chat(messages, SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
     got = client.chat.completions.create(model="any", messages=messages, max_tokens=12, temperature=0,
                                          frequency_penalty=1.2, presence_penalty=0.6,
                                          logit_bias={str(banned): -100}, extra_body={"min_tokens": 4})
-    want = local.chat(messages, SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=1.2,
+    want = w4a8.chat(messages, SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=1.2,
                                               presence_penalty=0.6, logit_bias={banned: -100.0}, min_tokens=4))[0]
     assert got.choices[0].message.content == want.text and banned not in want.token_ids
     for bad, word in (({"logit_bias": {"5": 300}}, "logit_bias"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
@@ -277,7 +268,7 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine(server, local):
             client.chat.completions.create(model="any", messages=messages, max_tokens=2, **bad)
 
 
-def test_chat_content_parts_and_the_developer_role(server, local):
+def test_chat_content_parts_and_the_developer_role(server, w4a8):
     """OpenAI's list-of-parts content and ``developer`` role (what newer clients and agent
     frameworks send) read as the string content and ``system`` role they stand for; a part
     specdec cannot read (an image) is refused by name, not rendered into the prompt."""
@@ -287,16 +278,16 @@ def test_chat_content_parts_and_the_developer_role(server, local):
     parts = [{"role": "developer", "content": [{"type": "text", "text": "Answer briefly."}]},
              {"role": "user", "content": [{"type": "text", "text": "Name two"}, {"type": "text", "text": "colors."}]}]
     plain = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name two\ncolors."}]
-    assert local.apply_chat_template(parts) == local.apply_chat_template(plain)
+    assert w4a8.apply_chat_template(parts) == w4a8.apply_chat_template(plain)
     chat = client.chat.completions.create(model="any", messages=parts, max_tokens=12, temperature=0)
-    assert chat.choices[0].message.content == local.chat(plain, SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    assert chat.choices[0].message.content == w4a8.chat(plain, SamplingParams(max_tokens=12, temperature=0.0))[0].text
     image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                           {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
     with pytest.raises(BadRequestError, match="image_url"):
         client.chat.completions.create(model="any", messages=image, max_tokens=4)
 
 
-def test_several_prompts_and_n_choices_are_batched_requests(server, local):
+def test_several_prompts_and_n_choices_are_batched_requests(server, w4a8):
     """OpenAI's batch form (a list of prompts, as strings or token ids) and ``n`` samples of a
     prompt: one choice per request, in OpenAI's order, each what the request gets alone; a
     seed advances per choice; streaming delivers every choice by its index."""
@@ -305,12 +296,12 @@ def test_several_prompts_and_n_choices_are_batched_requests(server, local):
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
     prompts = [PROMPTS[4], PROMPTS[5], PROMPTS[6]]
     done = client.completions.create(model="any", prompt=prompts, max_tokens=10, temperature=0)
-    alone = [local.generate(p, SamplingParams(max_tokens=10, temperature=0.0))[0] for p in prompts]
+    alone = [w4a8.generate(p, SamplingParams(max_tokens=10, temperature=0.0))[0] for p in prompts]
     assert [c.index for c in done.choices] == [0, 1, 2]
     assert [c.text for c in done.choices] == [o.text for o in alone]
     assert done.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in alone)
     assert done.usage.completion_tokens == sum(len(o.token_ids) for o in alone)
-    as_ids = client.completions.create(model="any", prompt=[local.encode(p) for p in prompts[:2]], max_tokens=10,
+    as_ids = client.completions.create(model="any", prompt=[w4a8.encode(p) for p in prompts[:2]], max_tokens=10,
                                        temperature=0)
     assert [c.text for c in as_ids.choices] == [o.text for o in alone[:2]]
 
@@ -326,11 +317,11 @@ def test_several_prompts_and_n_choices_are_batched_requests(server, local):
     sampled = client.completions.create(model="any", prompt=stories, n=3, max_tokens=16, temperature=1.0, seed=11)
     texts = [c.text for c in sampled.choices]
     assert len(texts) == 6 and len(set(texts[:3])) > 1 and len(set(texts[3:])) > 1
-    assert sampled.usage.prompt_tokens == sum(len(local.encode(p)) for p in stories)
+    assert sampled.usage.prompt_tokens == sum(len(w4a8.encode(p)) for p in stories)
     assert 6 <= sampled.usage.completion_tokens <= 6 * 16
 
     messages = [{"role": "user", "content": "Name a fruit."}]
-    greedy = local.chat(messages, SamplingParams(max_tokens=8, temperature=0.0))[0].text
+    greedy = w4a8.chat(messages, SamplingParams(max_tokens=8, temperature=0.0))[0].text
     chat = client.chat.completions.create(model="any", messages=messages, n=2, max_tokens=8, temperature=0)
     streamed = ["", ""]
     for chunk in client.chat.completions.create(model="any", messages=messages, n=2, max_tokens=8, temperature=0,
@@ -345,13 +336,13 @@ def test_several_prompts_and_n_choices_are_batched_requests(server, local):
     assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
 
 
-def test_logprobs_in_openai_form_streamed_or_not(server, local):
+def test_logprobs_in_openai_form_streamed_or_not(server, w4a8):
     """Completions' legacy ``logprobs`` columns and chat's ``logprobs`` / ``top_logprobs``:
     the target's own figures (as ``LLM.generate`` gives them), streamed or not."""
     from openai import OpenAI, UnprocessableEntityError
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
-    offline = local.generate(PROMPTS[9], SamplingParams(max_tokens=12, temperature=0.0, logprobs=2))[0]
+    offline = w4a8.generate(PROMPTS[9], SamplingParams(max_tokens=12, temperature=0.0, logprobs=2))[0]
     want = [entry[token] for entry, token in zip(offline.logprobs, offline.token_ids)]
     done = client.completions.create(model="any", prompt=PROMPTS[9], max_tokens=12, temperature=0, logprobs=2)
     columns = done.choices[0].logprobs
@@ -366,7 +357,7 @@ def test_logprobs_in_openai_form_streamed_or_not(server, local):
     assert streamed == pytest.approx(want, abs=1e-4)
 
     messages = [{"role": "user", "content": "Name two colors."}]
-    offline = local.chat(messages, SamplingParams(max_tokens=8, temperature=0.0, logprobs=3))[0]
+    offline = w4a8.chat(messages, SamplingParams(max_tokens=8, temperature=0.0, logprobs=3))[0]
     chat = client.chat.completions.create(model="any", messages=messages, max_tokens=8, temperature=0,
                                           logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
@@ -379,7 +370,7 @@ def test_logprobs_in_openai_form_streamed_or_not(server, local):
         client.chat.completions.create(model="any", messages=messages, max_tokens=4, top_logprobs=2)
 
 
-def test_echo_returns_the_prompt_with_its_tokens_scored(server, local):
+def test_echo_returns_the_prompt_with_its_tokens_scored(server, w4a8):
     """The completions API's ``echo`` (what lm-eval's loglikelihood requests send, with
     ``logprobs``): the prompt before the answer, its tokens scored as the target scores them
     (the first one ``None``), streamed or not."""
@@ -387,7 +378,7 @@ def test_echo_returns_the_prompt_with_its_tokens_scored(server, local):
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
     prompt = "The capital of France is Paris. The capital of Italy is"
-    offline = local.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, prompt_logprobs=1))[0]
+    offline = w4a8.generate(prompt, SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, prompt_logprobs=1))[0]
     want = [None] + [e[t] for e, t in zip(offline.prompt_logprobs[1:], offline.prompt_token_ids[1:])] + [
         e[t] for e, t in zip(offline.logprobs, offline.token_ids)]
     done = client.completions.create(model="any", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
@@ -424,7 +415,7 @@ def test_metrics_are_prometheus_exposition_with_histograms(server):
     assert by_depth and sum(by_depth.values()) == steps  # every decode step counted under its draft depth
 
 
-def test_an_api_key_guards_every_v1_route(tmp_path, local):
+def test_an_api_key_guards_every_v1_route(tmp_path, w4a8):
     """`specdec serve` with SPECDEC_API_KEY: the openai client with the key is answered, a
     wrong or missing key gets OpenAI's 401 on every /v1 route, /health and /metrics stay open;
     --protect-all guards them too."""
@@ -438,19 +429,19 @@ def test_an_api_key_guards_every_v1_route(tmp_path, local):
         messages = [{"role": "user", "content": "Say hi."}]
         good = OpenAI(base_url=f"{base}/v1", api_key="sk-right")
         assert good.chat.completions.create(model="any", messages=messages).choices[0].message.content == \
-            local.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))[0].text
+            w4a8.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))[0].text
         with pytest.raises(AuthenticationError, match="API key"):
             OpenAI(base_url=f"{base}/v1", api_key="sk-wrong").chat.completions.create(model="any", messages=messages)
         for path, method in (("/v1/models", "get"), ("/v1/completions", "post"), ("/v1/chat/completions", "post")):
             r = getattr(httpx, method)(f"{base}{path}", **({"json": {}} if method == "post" else {}))
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
         assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
-    with TestClient(create_app(local, ServerOptions(api_key="k", protect_all=True))) as client:
+    with TestClient(create_app(w4a8, ServerOptions(api_key="k", protect_all=True))) as client:
         assert client.get("/health").status_code == 401 and client.get("/metrics").status_code == 401
         assert client.get("/health", headers={"Authorization": "Bearer k"}).status_code == 200
 
 
-def test_limits_answer_413_429_and_cors_only_where_configured(tmp_path, local):
+def test_limits_answer_413_429_and_cors_only_where_configured(tmp_path, w4a8):
     """A body over --max-body-bytes gets 413 and a burst beyond --max-waiting 429, each in
     OpenAI's error shape, and the server keeps serving; browsers get CORS headers only from
     the origins given with --allowed-origin."""
@@ -479,7 +470,7 @@ def test_limits_answer_413_429_and_cors_only_where_configured(tmp_path, local):
         assert "access-control-allow-origin" not in other.headers
 
 
-def test_structured_output_through_the_openai_client_and_vllms_fields(server, local):
+def test_structured_output_through_the_openai_client_and_vllms_fields(server, w4a8):
     """``response_format`` (JSON schema, JSON object) from the ``openai`` client, streamed
     or not, and vLLM's ``structured_outputs`` / ``guided_*`` fields: the output follows the
     grammar and is the text plain decoding gives under it (the server speculates with ngram)."""
@@ -488,7 +479,7 @@ def test_structured_output_through_the_openai_client_and_vllms_fields(server, lo
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
     messages = embedded.STRUCTURED_CHECK_PROMPTS[0]
     schema = embedded.STRUCTURED_CHECK_SCHEMA
-    offline = local.chat([messages], SamplingParams(max_tokens=64, temperature=0.0,
+    offline = w4a8.chat([messages], SamplingParams(max_tokens=64, temperature=0.0,
                                                    structured_outputs={"json": schema}))[0].text
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
     done = client.chat.completions.create(model="any", messages=messages, max_tokens=64, temperature=0,
@@ -515,13 +506,13 @@ def test_structured_output_through_the_openai_client_and_vllms_fields(server, lo
                                        response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
 
 
-def test_max_tokens_zero_with_echo_scores_the_prompt_alone(server, local):
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(server, w4a8):
     """What lm-eval's loglikelihood requests send: the prompt's tokens scored, nothing generated."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
     prompt = "The capital of France is Paris."
-    offline = local.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    offline = w4a8.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
     done = client.completions.create(model="any", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
     choice = done.choices[0]
     assert choice.text == prompt and done.usage.completion_tokens == 0 and choice.finish_reason == "length"
@@ -530,14 +521,14 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(server, local):
     assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
 
 
-def test_a_request_past_the_timeout_gets_504_and_the_server_serves_on(local):
+def test_a_request_past_the_timeout_gets_504_and_the_server_serves_on(w4a8):
     """ServerOptions.request_timeout (`serve --request-timeout`): 504 in OpenAI's error
     shape, or an error event ending the stream; its requests are aborted, others served."""
     from fastapi.testclient import TestClient
 
     from specdec.serving.server import ServerOptions, create_app
 
-    with TestClient(create_app(local, ServerOptions(request_timeout=0.5))) as client:
+    with TestClient(create_app(w4a8, ServerOptions(request_timeout=0.5))) as client:
         long = {"prompt": "Count:", "max_tokens": 400, "min_tokens": 400}
         r = client.post("/v1/completions", json=long)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
@@ -545,9 +536,9 @@ def test_a_request_past_the_timeout_gets_504_and_the_server_serves_on(local):
         assert '"code": "timeout"' in events and "[DONE]" not in events
         assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
         deadline = time.time() + 10  # aborts reach the engine thread as commands
-        while local.engine.requests and time.time() < deadline:
+        while w4a8.engine.requests and time.time() < deadline:
             time.sleep(0.05)
-        assert not local.engine.requests
+        assert not w4a8.engine.requests
 
 
 def test_a_grammar_the_engine_gives_up_on_fails_its_request_alone(server):
@@ -562,7 +553,7 @@ def test_a_grammar_the_engine_gives_up_on_fails_its_request_alone(server):
         assert good.result().status_code == 200 and good.result().json()["usage"]["completion_tokens"] == 16
 
 
-def test_the_openapi_schema_documents_every_status_and_a_fuzzer_finds_no_fault(tmp_path, local):
+def test_the_openapi_schema_documents_every_status_and_a_fuzzer_finds_no_fault(tmp_path, w4a8):
     """Every status the server answers is in /openapi.json, /metrics is documented as text;
     schemathesis, driven by that schema, finds no 5xx, no undocumented status and no crash
     in a bounded run against the real server (a tiny random Llama with the embedded
@@ -571,8 +562,8 @@ def test_the_openapi_schema_documents_every_status_and_a_fuzzer_finds_no_fault(t
     import sys
     from pathlib import Path
 
-    model = testing.tiny_model_dir(tmp_path / "tiny", vocab_size=len(local.tokenizer))
-    local.tokenizer.save_pretrained(model)
+    model = testing.tiny_model_dir(tmp_path / "tiny", vocab_size=len(w4a8.tokenizer))
+    w4a8.tokenizer.save_pretrained(model)
     config = (f"model: {model}\ndtype: float32\nengine: {{max_batch_size: 64, max_model_len: 96}}\n"
               "speculative_config: {decoding_type: ngram}\n")
     with running_server(config, tmp_path) as base:
