@@ -13,6 +13,14 @@ import pytest
 from specdec import SamplingParams
 
 
+def eager_default():
+    """The default target eager (``compile: false``): the bench's behaviour is checked here,
+    not the compiled graph, and it decodes four times as fast as float32."""
+    from specdec.config_loading import config_from_dict
+
+    return config_from_dict({"engine": {"compile": False}})
+
+
 def specdec(*args):
     return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -79,7 +87,6 @@ def test_a_repetition_frees_the_engines_of_the_one_before(tmp_path, monkeypatch)
     import weakref
 
     from specdec.bench import runner as bench
-    from specdec.config_loading import config_from_dict
 
     alive, seen = weakref.WeakSet(), []
 
@@ -93,14 +100,13 @@ def test_a_repetition_frees_the_engines_of_the_one_before(tmp_path, monkeypatch)
     monkeypatch.setattr(bench, "LLM", CountedLLM)
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "Say hi."}) + "\n")
-    bench.run_bench(config_from_dict({"engine": {"compile": False}}), ["ngram"], str(data), None, batch_size=1,
+    bench.run_bench(eager_default(), ["ngram"], str(data), None, batch_size=1,
                     temperature=0.0, max_tokens=4, repetitions=3, compare_hf=False)
     assert seen == [0, 1] * 3  # plain, then ngram, in each repetition: never the last one's engines
 
 
 def test_systems_take_turns_batch_by_batch_in_a_rotating_order(tmp_path, monkeypatch):
     from specdec.bench import runner as bench
-    from specdec.config_loading import config_from_dict
 
     calls = []
     run_llm = bench.run_llm
@@ -113,7 +119,7 @@ def test_systems_take_turns_batch_by_batch_in_a_rotating_order(tmp_path, monkeyp
     monkeypatch.setattr(bench, "run_llm", recorded)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say {word}."}) + "\n" for word in ("one", "two", "three", "four")))
-    report = bench.run_bench(config_from_dict({"engine": {"compile": False}}), ["ngram"], str(data), None, batch_size=2,
+    report = bench.run_bench(eager_default(), ["ngram"], str(data), None, batch_size=2,
                              temperature=0.0, max_tokens=2, repetitions=2, compare_hf=False)
     # one category of two batches: every batch is a turn, and each turn starts one system later
     assert calls == [("plain", "Say one."), ("ngram", "Say one."), ("ngram", "Say three."), ("plain", "Say three."),
@@ -128,7 +134,6 @@ def test_a_multi_turn_set_answers_each_turn_with_the_answers_before_it(tmp_path,
     from specdec import LLM
     from specdec.bench import runner as bench
     from specdec.bench.prompt_sets import Turns, load_jsonl
-    from specdec.config_loading import config_from_dict
 
     data = tmp_path / "agent.jsonl"
     data.write_text(json.dumps({"turns": ["Say one.", "Say two.", "Say three."], "category": "agent"}) + "\n"
@@ -143,7 +148,7 @@ def test_a_multi_turn_set_answers_each_turn_with_the_answers_before_it(tmp_path,
         return generate(llm, prompts, params)
 
     monkeypatch.setattr(LLM, "generate", recorded)
-    report = bench.run_bench(config_from_dict({"engine": {"compile": False}}), ["ngram"], str(data), None, batch_size=2,
+    report = bench.run_bench(eager_default(), ["ngram"], str(data), None, batch_size=2,
                              temperature=0.0, max_tokens=3, repetitions=1, compare_hf=False)
     plain = sent[2:5]  # after the two engines' warm-ups: plain's three turns
     assert [len(batch) for batch in plain] == [2, 1, 1]  # the single-turn line answered with the first turn
@@ -154,7 +159,7 @@ def test_a_multi_turn_set_answers_each_turn_with_the_answers_before_it(tmp_path,
     hits = {name: report["results"][name]["agent"]["prefix_cache_hit_rate"] for name in ("plain", "ngram")}
     assert hits["plain"] > 0.3 and hits["ngram"] == hits["plain"], hits
     with pytest.raises(ValueError, match="multi-turn"):
-        bench.run_bench(config_from_dict({"engine": {"compile": False}}), [], str(data), None, batch_size=1,
+        bench.run_bench(eager_default(), [], str(data), None, batch_size=1,
                         temperature=0.0, max_tokens=2, repetitions=1, compare_hf=True)
 
 
@@ -185,7 +190,6 @@ def test_each_repetition_starts_from_fresh_drafters_warmed_up_outside_the_sets(m
     """Issue 10: with ngram's public pool, a second repetition used to copy the first one's
     answers, and the warm-up ran the measured chat prompt."""
     from specdec.bench import runner as bench
-    from specdec.config_loading import config_from_dict
 
     built, prompts_seen = [], []
 
@@ -199,7 +203,7 @@ def test_each_repetition_starts_from_fresh_drafters_warmed_up_outside_the_sets(m
             return super().generate(prompts, params)
 
     monkeypatch.setattr(bench, "LLM", Spy)
-    report = bench.run_bench(config_from_dict({"engine": {"compile": False}}), ["ngram"], None, ["chat"],
+    report = bench.run_bench(eager_default(), ["ngram"], None, ["chat"],
                              batch_size=1, temperature=0.0, max_tokens=4, repetitions=2, compare_hf=False)
     assert len(built) == 4  # plain and ngram, built again for the second repetition
     measured = bench.messages("chat")[0][0]["content"]
@@ -323,7 +327,6 @@ def test_with_llama_cpp_every_system_has_its_ratio_to_the_fastest_llama_cpp_and_
     import io
 
     from specdec.bench import runner as bench
-    from specdec.config_loading import config_from_dict
 
     def fake(rate):
         def run(conversations, res):
@@ -334,7 +337,7 @@ def test_with_llama_cpp_every_system_has_its_ratio_to_the_fastest_llama_cpp_and_
 
     monkeypatch.setattr(bench, "llama_cpp_systems", lambda llm, gguf, max_tokens, batch_size: {
         "llama.cpp": fake(20), "llama.cpp prompt lookup": fake(10)})
-    report = bench.run_bench(config_from_dict({"engine": {"compile": False}}), ["ngram"], None, ["chat"],
+    report = bench.run_bench(eager_default(), ["ngram"], None, ["chat"],
                              batch_size=1, temperature=0.0, max_tokens=8, repetitions=1, compare_hf=False,
                              compare_llama_cpp="bindings")
     results = report["results"]
