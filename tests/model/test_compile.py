@@ -39,16 +39,26 @@ def _forwards(target: TargetModel) -> list[tuple[torch.Tensor, dict]]:
     return out
 
 
+def _tiny_target(tiny_models) -> TargetModel:
+    """The tiny Llama's target, capturing the first layer's and the final norm's states."""
+    target = TargetModel(load_causal_lm(tiny_models["llama"], torch.float32, torch.device("cpu")), None, "tiny")
+    target.capture_hidden_layers([0, -1])
+    return target
+
+
+@pytest.fixture(scope="module")
+def compiled_tiny(tiny_models) -> TargetModel:
+    """:func:`_tiny_target` compiled: the tests that call its forward share its graphs
+    (a frozen graph is compiled anew in every process and every test)."""
+    target = _tiny_target(tiny_models)
+    target.compile()
+    return target
+
+
 @pytest.mark.slow
-def test_the_compiled_forward_gives_the_eager_logits_and_hidden_states(tiny_models):
-    results = []
-    for compiled in (False, True):
-        target = TargetModel(load_causal_lm(tiny_models["llama"], torch.float32, torch.device("cpu")), None, "tiny")
-        target.capture_hidden_layers([0, -1])
-        if compiled:
-            target.compile()
-        results.append(_forwards(target))
-    for (eager, eager_states), (compiled, compiled_states) in zip(*results):
+def test_the_compiled_forward_gives_the_eager_logits_and_hidden_states(tiny_models, compiled_tiny):
+    for (eager, eager_states), (compiled, compiled_states) in zip(_forwards(_tiny_target(tiny_models)),
+                                                                  _forwards(compiled_tiny)):
         assert compiled.shape == eager.shape
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
         assert sorted(compiled_states) == [-1, 0]
@@ -56,14 +66,13 @@ def test_the_compiled_forward_gives_the_eager_logits_and_hidden_states(tiny_mode
             torch.testing.assert_close(compiled_states[layer], state, atol=1e-4, rtol=1e-4)
 
 
-def test_steps_of_one_sequence_trace_their_attention_and_batches_call_the_operator(tiny_models):
+def test_steps_of_one_sequence_trace_their_attention_and_batches_call_the_operator(compiled_tiny):
     """The attention of a decode step and of a chain or tree of one sequence is part of
     the compiled graph (no call of the opaque operator); a step of several sequences calls
     the operator once per layer."""
     from torch.profiler import ProfilerActivity, profile
 
-    target = TargetModel(load_causal_lm(tiny_models["llama"], torch.float32, torch.device("cpu")), None, "tiny")
-    target.compile()
+    target = compiled_tiny
     tree = torch.eye(4, dtype=torch.bool)
     tree[:, 0] = True
     steps = {"decode": [(12, 1, None)], "chain": [(13, 5, None)], "tree": [(13, 4, tree)],
@@ -75,33 +84,18 @@ def test_steps_of_one_sequence_trace_their_attention_and_batches_call_the_operat
                                 positions=torch.arange(start, start + count))
                   for i, (start, count, mask) in enumerate(seqs)]
         layout = AttentionLayout(slices, 16, target.device)
-        args = (torch.arange(layout.num_tokens), layout.query_positions, ForwardMetadata(cache=cache, layout=layout),
+        args = (torch.arange(layout.num_tokens), layout.query_positions,
+                ForwardMetadata(cache=cache, layout=layout, hidden_layers=frozenset({0, -1})),
                 torch.tensor([layout.num_tokens - 1]))
-        target.forward(*args)  # compiles the step's graph
+        target.forward(*args)  # compiles the step's graph where no test has
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             target.forward(*args)
         calls[name] = sum(e.count for e in prof.key_averages() if e.key == "specdec::paged_attention")
     assert calls == {"decode": 0, "chain": 0, "tree": 0, "batch": target.num_layers}
 
 
-def test_three_graphs_compile_when_the_engine_starts_and_none_while_it_serves(tiny_models):
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (1, 7, 30)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    eager = LLM(model=str(tiny_models["llama"]), dtype="float32").generate(prompts, params)
-    release_kept_targets()
-    before = counters["stats"]["unique_graphs"]
-    llm = LLM(model=str(tiny_models["llama"]), dtype="float32", engine={"compile": True})
-    assert counters["stats"]["unique_graphs"] - before == 3
-    alone = [llm.generate([p], params)[0] for p in prompts]  # decode at batch 1: the one-token graph
-    batched = llm.generate(prompts, params)
-    assert counters["stats"]["unique_graphs"] - before == 3
-    for a, b, c in zip(eager, alone, batched):
-        assert a.token_ids == b.token_ids == c.token_ids
-
-
-@pytest.mark.parametrize("quantization", [None, "int4", "w4a8"])
-def test_drafts_on_a_compiled_target_are_lossless(tiny_models, quantization):
+@pytest.mark.parametrize("quantization", ["int4", "w4a8"])
+def test_drafts_on_a_compiled_quantized_target_are_lossless(tiny_models, quantization):
     testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 4}, tiny_models["llama"],
                                   engine={"compile": True, "quantization": quantization}, device="cpu")
 
@@ -167,34 +161,40 @@ def test_targets_compiled_in_one_process_keep_their_own_graphs(tiny_models):
 
 
 def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_states(tiny_models):
-    """A second LLM asking for the same weights, numerics and compilation gets the first
-    one's target, its graphs compiled: no load, no new graph (a setting given by value
-    matches an ``auto`` that resolved to it). One whose drafter reads the
-    final norm's state alone shares the plain graphs too (they keep that state); one that
-    reads another layer's gets graphs of its own. Used in turn, each answers as the eager
-    target does; the last target stays after its LLMs are gone, until released."""
+    """Three graphs compile when an engine starts (one token of one sequence, several, a
+    step of several sequences) and none while it serves, alone or batched. A second LLM
+    asking for the same weights, numerics and compilation gets the first one's target, its
+    graphs compiled: no load, no new graph (a setting given by value matches an ``auto``
+    that resolved to it). One whose drafter reads the final norm's state alone shares the
+    plain graphs too (they keep that state), as prompt lookup does, its drafts lossless;
+    one that reads another layer's gets graphs of its own. Used in turn, each answers as
+    the eager target does; the last target stays after its LLMs are gone, until released."""
     import gc
     import weakref
 
     model = str(tiny_models["llama"])
-    prompts = [[5, 9, 11, 3, 7], list(range(20, 40))]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (1, 7, 30)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     release_kept_targets()
     StateWatcher.seen.clear()
     eager = LLM(model=model, dtype="float32")
+    want = [o.token_ids for o in eager.generate(prompts, params)]
     before = counters["stats"]["unique_graphs"]
     plain = LLM(model=model, dtype="float32", engine={"compile": True})
     assert plain.target is not eager.target and counters["stats"]["unique_graphs"] - before == 3
+    assert [plain.generate([p], params)[0].token_ids for p in prompts] == want  # a decode at batch 1: one token
     again = LLM(model=model, dtype="float32", engine={"compile": True, "max_batch_size": 2})
     last = LLM(model=model, dtype="float32", engine={"compile": True},
                speculative_config={"decoding_type": "user", "drafter": LastStateWatcher})
     assert last.target is plain.target and counters["stats"]["unique_graphs"] - before == 3
+    testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 4}, model, engine={"compile": True})
+    assert counters["stats"]["unique_graphs"] - before == 3
     reader = LLM(model=model, dtype="float32", engine={"compile": True},
                  speculative_config={"decoding_type": "user", "drafter": StateWatcher})
     assert again.target is plain.target is reader.target
     assert counters["stats"]["unique_graphs"] - before == 6
     assert set(plain.target._compiled) == {frozenset({-1}), frozenset({0, -1})}
-    want = [o.token_ids for o in eager.generate(prompts, params)]
     LastStateWatcher.seen.clear()
     for llm in (plain, reader, last, again, reader, plain):
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
