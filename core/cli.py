@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -16,6 +17,7 @@ from .config import QUANTIZATIONS, SpecdecConfig
 from .config_loading import config_from_dict, load_config, merge_overrides, unstructure
 from .errors import ConfigError, SpecdecError
 from .plugins import get_registry
+from .process_exit import exit_now
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -387,5 +389,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The ``specdec`` command: :func:`main`, then :func:`~specdec.process_exit.exit_now`
+    with its status (argparse's usage errors and ``--help`` included)."""
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -1,7 +1,6 @@
 """``python -m specdec.parallel``: a worker rank started by rank 0 (:func:`.worker.main`)."""
 
-import sys
-
+from ..process_exit import exit_now
 from .worker import main
 
-sys.exit(main())
+exit_now(main())

@@ -33,6 +33,7 @@ import attrs
 
 from ..errors import RequestError, SpecdecError
 from ..executor.metrics import RequestMetrics
+from ..process_exit import exit_now
 from ..sampling_params import SamplingParams
 from ..text_codec import TextCodec
 
@@ -257,7 +258,8 @@ def _raise(error: tuple[str, str]) -> None:
 
 
 def _engine_process_main(conn: Connection, config, seed: int) -> None:
-    """The engine process: build the engine as ``LLM()`` does, say so, serve the connection."""
+    """The engine process: build the engine as ``LLM()`` does, say so, serve the connection;
+    once it is closed, the process ends at once (the server waits for it)."""
     from ..api import LLM
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops this process
@@ -272,6 +274,7 @@ def _engine_process_main(conn: Connection, config, seed: int) -> None:
         EngineLoop(llm, conn).run()
     finally:
         llm.close()
+    exit_now(0)
 
 
 # -- the caller side --------------------------------------------------------------------
