@@ -1,12 +1,12 @@
 """Ending a process whose work is done without finalizing the interpreter.
 
 A normal exit tears the loaded modules down one by one: with torch and transformers
-loaded, thousands of them, about a second on a CPU after every command, every worker rank
-and every engine process, a second the caller waits for. :func:`exit_now` keeps what a
-normal exit does that matters (the atexit handlers run: process groups, inductor's compile
-workers, multiprocessing's children, logging; the standard streams are flushed), then ends
-the process. Where a thread that is not a daemon still runs, it exits normally instead, so
-that the thread finishes first, as it would."""
+loaded, thousands of them, after every command, worker rank and engine process, and the
+caller waits for it. :func:`exit_now` keeps what a normal exit does that matters (the
+atexit handlers run: process groups, inductor's compile workers, multiprocessing's
+children, logging; the standard streams are flushed), then ends the process. Where a
+thread that is not a daemon still runs, it exits normally instead, so that the thread
+finishes first, as it would."""
 
 from __future__ import annotations
 
