@@ -260,7 +260,7 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine(server, w4a8):
                                          frequency_penalty=1.2, presence_penalty=0.6,
                                          logit_bias={str(banned): -100}, extra_body={"min_tokens": 4})
     want = w4a8.chat(messages, SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=1.2,
-                                              presence_penalty=0.6, logit_bias={banned: -100.0}, min_tokens=4))[0]
+                                             presence_penalty=0.6, logit_bias={banned: -100.0}, min_tokens=4))[0]
     assert got.choices[0].message.content == want.text and banned not in want.token_ids
     for bad, word in (({"logit_bias": {"5": 300}}, "logit_bias"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
                       ({"frequency_penalty": 3}, "frequency_penalty")):
