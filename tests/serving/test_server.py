@@ -44,7 +44,15 @@ def test_models_and_health(server):
     assert data["data"][0]["id"] == "SmolLM2-135M-Instruct" and data["data"][0]["max_model_len"] == 8192
 
 
-def test_the_server_resolves_its_engine_as_llm_does(tmp_path):
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory):
+    """`specdec serve` with the engine's defaults but eager (``compile: false``), greedy."""
+    with running_server("engine: {compile: false}\nsampling: {temperature: 0}\n",
+                        tmp_path_factory.mktemp("plain")) as base:
+        yield base
+
+
+def test_the_server_resolves_its_engine_as_llm_does(plain_server):
     """`specdec serve` with no options runs the engine ``LLM()`` builds with none: the same
     quantization, compile, batch invariance, threads and dtype (its /health says which)."""
     import subprocess
@@ -63,54 +71,53 @@ def test_the_server_resolves_its_engine_as_llm_does(tmp_path):
         default = engine_info(LLM(engine={"compile": False}))
     finally:
         torch.set_num_threads(ours)
-    with running_server("engine: {compile: false}\n", tmp_path) as base:
-        served = httpx.get(f"{base}/health").json()["engine"]
+    served = httpx.get(f"{plain_server}/health").json()["engine"]
     assert served == default.resolved and served["quantization"] == "w4a8"
 
 
-def test_a_killed_engine_process_fails_its_requests_and_a_new_one_serves(tmp_path, w4a8):
+def test_a_killed_engine_process_fails_its_requests_and_a_new_one_serves(plain_server, w4a8):
     """SIGKILL to the engine process with requests in flight: streamed and whole requests end
     with errors in OpenAI's shape naming the cause, the server answers /health with 503
     while a new engine starts, then serves the openai client the same answers as before."""
     from openai import OpenAI
 
-    with running_server("engine: {compile: false}\nsampling: {temperature: 0}\n", tmp_path) as base:
-        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        messages = [{"role": "user", "content": "Name three primary colors."}]
-        expected = w4a8.chat(messages, SamplingParams(max_tokens=12, temperature=0.0))[0].text
-        assert client.chat.completions.create(model="any", messages=messages, max_tokens=12).choices[0] \
-            .message.content == expected
-        port = base.rsplit(":", 1)[1]
-        server = next(p for p in child_processes(os.getpid())
-                      if f"--port\0{port}\0" in Path(f"/proc/{p}/cmdline").read_text())
-        (engine,) = [p for p in child_processes(server) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-        long = {"prompt": "Count to a thousand:", "max_tokens": 2000, "min_tokens": 2000}
-        with ThreadPoolExecutor(2) as pool:
-            whole = pool.submit(httpx.post, f"{base}/v1/completions", json=long, timeout=120)
-            with httpx.stream("POST", f"{base}/v1/completions", json={**long, "stream": True}, timeout=120) as r:
-                lines = r.iter_lines()
-                while not next(lines).startswith("data: {"):
-                    pass
-                while metrics(base)["specdec_running_requests"] < 2:  # the whole one is in flight too
-                    time.sleep(0.05)
-                os.kill(engine, signal.SIGKILL)
-                rest = [line for line in lines if line.startswith("data: ")]
-            assert rest and rest[-1] != "data: [DONE]"
-            error = json.loads(rest[-1][6:])["error"]
-            assert error["type"] == "server_error" and "SIGKILL" in error["message"]
-            assert whole.result().status_code == 500 and "SIGKILL" in whole.result().json()["error"]["message"]
-        codes = set()
-        deadline = time.monotonic() + 300
-        while (status := httpx.get(f"{base}/health", timeout=30).status_code) != 200:
-            codes.add(status)
-            assert time.monotonic() < deadline, "no new engine within 300 s"
-            time.sleep(0.2)
-        assert codes <= {503}
-        health = httpx.get(f"{base}/health").json()
-        assert health["engine_restarts"] == 1
-        assert client.chat.completions.create(model="any", messages=messages, max_tokens=12).choices[0] \
-            .message.content == expected
-        assert metrics(base)["specdec_engine_restarts_total"] == 1
+    base = plain_server
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    expected = w4a8.chat(messages, SamplingParams(max_tokens=12, temperature=0.0))[0].text
+    assert client.chat.completions.create(model="any", messages=messages, max_tokens=12).choices[0] \
+        .message.content == expected
+    port = base.rsplit(":", 1)[1]
+    server = next(p for p in child_processes(os.getpid())
+                  if f"--port\0{port}\0" in Path(f"/proc/{p}/cmdline").read_text())
+    (engine,) = [p for p in child_processes(server) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    long = {"prompt": "Count to a thousand:", "max_tokens": 2000, "min_tokens": 2000}
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(httpx.post, f"{base}/v1/completions", json=long, timeout=120)
+        with httpx.stream("POST", f"{base}/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            while metrics(base)["specdec_running_requests"] < 2:  # the whole one is in flight too
+                time.sleep(0.05)
+            os.kill(engine, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest and rest[-1] != "data: [DONE]"
+        error = json.loads(rest[-1][6:])["error"]
+        assert error["type"] == "server_error" and "SIGKILL" in error["message"]
+        assert whole.result().status_code == 500 and "SIGKILL" in whole.result().json()["error"]["message"]
+    codes = set()
+    deadline = time.monotonic() + 300
+    while (status := httpx.get(f"{base}/health", timeout=30).status_code) != 200:
+        codes.add(status)
+        assert time.monotonic() < deadline, "no new engine within 300 s"
+        time.sleep(0.2)
+    assert codes <= {503}
+    health = httpx.get(f"{base}/health").json()
+    assert health["engine_restarts"] == 1
+    assert client.chat.completions.create(model="any", messages=messages, max_tokens=12).choices[0] \
+        .message.content == expected
+    assert metrics(base)["specdec_engine_restarts_total"] == 1
 
 
 def test_completion_equals_offline_generate(server, w4a8):
@@ -415,7 +422,22 @@ def test_metrics_are_prometheus_exposition_with_histograms(server):
     assert by_depth and sum(by_depth.values()) == steps  # every decode step counted under its draft depth
 
 
-def test_an_api_key_guards_every_v1_route(tmp_path, w4a8):
+KEY = "sk-right"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tmp_path_factory):
+    """`specdec serve` with an API key (SPECDEC_API_KEY), one request at a time, a body limit
+    (--max-body-bytes 2000), a waiting limit (--max-waiting 2) and CORS for one origin."""
+    with running_server("engine: {max_batch_size: 1, compile: false}\nsampling: {temperature: 0, max_tokens: 24}\n",
+                        tmp_path_factory.mktemp("guarded"), env={"SPECDEC_API_KEY": KEY},
+                        args=("--max-body-bytes", "2000", "--max-waiting", "2",
+                              "--allowed-origin", "https://app.example")) as base:
+        yield base
+
+
+def test_an_api_key_guards_every_v1_route(guarded_server, w4a8):
     """`specdec serve` with SPECDEC_API_KEY: the openai client with the key is answered, a
     wrong or missing key gets OpenAI's 401 on every /v1 route, /health and /metrics stay open;
     --protect-all guards them too."""
@@ -424,50 +446,46 @@ def test_an_api_key_guards_every_v1_route(tmp_path, w4a8):
 
     from specdec.serving.server import ServerOptions, create_app
 
-    with running_server("engine: {compile: false}\nsampling: {temperature: 0, max_tokens: 4}\n", tmp_path,
-                        env={"SPECDEC_API_KEY": "sk-right"}) as base:
-        messages = [{"role": "user", "content": "Say hi."}]
-        good = OpenAI(base_url=f"{base}/v1", api_key="sk-right")
-        assert good.chat.completions.create(model="any", messages=messages).choices[0].message.content == \
-            w4a8.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))[0].text
-        with pytest.raises(AuthenticationError, match="API key"):
-            OpenAI(base_url=f"{base}/v1", api_key="sk-wrong").chat.completions.create(model="any", messages=messages)
-        for path, method in (("/v1/models", "get"), ("/v1/completions", "post"), ("/v1/chat/completions", "post")):
-            r = getattr(httpx, method)(f"{base}{path}", **({"json": {}} if method == "post" else {}))
-            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
-        assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
+    base = guarded_server
+    messages = [{"role": "user", "content": "Say hi."}]
+    good = OpenAI(base_url=f"{base}/v1", api_key=KEY)
+    assert good.chat.completions.create(model="any", messages=messages, max_tokens=4).choices[0].message.content == \
+        w4a8.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))[0].text
+    with pytest.raises(AuthenticationError, match="API key"):
+        OpenAI(base_url=f"{base}/v1", api_key="sk-wrong").chat.completions.create(model="any", messages=messages)
+    for path, method in (("/v1/models", "get"), ("/v1/completions", "post"), ("/v1/chat/completions", "post")):
+        r = getattr(httpx, method)(f"{base}{path}", **({"json": {}} if method == "post" else {}))
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
     with TestClient(create_app(w4a8, ServerOptions(api_key="k", protect_all=True))) as client:
         assert client.get("/health").status_code == 401 and client.get("/metrics").status_code == 401
         assert client.get("/health", headers={"Authorization": "Bearer k"}).status_code == 200
 
 
-def test_limits_answer_413_429_and_cors_only_where_configured(tmp_path, w4a8):
+def test_limits_answer_413_429_and_cors_only_where_configured(guarded_server):
     """A body over --max-body-bytes gets 413 and a burst beyond --max-waiting 429, each in
     OpenAI's error shape, and the server keeps serving; browsers get CORS headers only from
     the origins given with --allowed-origin."""
     import asyncio
 
-    with running_server("engine: {max_batch_size: 1, compile: false}\nsampling: {temperature: 0, max_tokens: 24}\n",
-                        tmp_path, args=("--max-body-bytes", "2000", "--max-waiting", "2",
-                                        "--allowed-origin", "https://app.example")) as base:
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x" * 3000, "max_tokens": 1})
-        assert r.status_code == 413 and "max-body-bytes" in r.json()["error"]["message"]
+    base = guarded_server
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "x" * 3000, "max_tokens": 1}, headers=AUTH)
+    assert r.status_code == 413 and "max-body-bytes" in r.json()["error"]["message"]
 
-        async def burst():
-            async with httpx.AsyncClient(timeout=120) as client:
-                return await asyncio.gather(*[client.post(f"{base}/v1/completions",
-                                                          json={"prompt": f"Count to {i}:", "n": 2})
-                                              for i in range(4)])
+    async def burst():
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
+            return await asyncio.gather(*[client.post(f"{base}/v1/completions",
+                                                      json={"prompt": f"Count to {i}:", "n": 2}) for i in range(4)])
 
-        codes = sorted(r.status_code for r in asyncio.run(burst()))
-        assert 429 in codes and 200 in codes, codes
-        ok = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-        assert ok.status_code == 200
-        allowed = httpx.options(f"{base}/v1/models", headers={"Origin": "https://app.example",
-                                                              "Access-Control-Request-Method": "GET"})
-        assert allowed.headers.get("access-control-allow-origin") == "https://app.example"
-        other = httpx.get(f"{base}/v1/models", headers={"Origin": "https://evil.example"})
-        assert "access-control-allow-origin" not in other.headers
+    codes = sorted(r.status_code for r in asyncio.run(burst()))
+    assert 429 in codes and 200 in codes, codes
+    ok = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=AUTH)
+    assert ok.status_code == 200
+    allowed = httpx.options(f"{base}/v1/models", headers={"Origin": "https://app.example",
+                                                          "Access-Control-Request-Method": "GET"})
+    assert allowed.headers.get("access-control-allow-origin") == "https://app.example"
+    other = httpx.get(f"{base}/v1/models", headers={"Origin": "https://evil.example", **AUTH})
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
 
 
 def test_structured_output_through_the_openai_client_and_vllms_fields(server, w4a8):
