@@ -140,14 +140,17 @@ class Engine:
 
     def _warm_up_compiled(self) -> None:
         """Compile the compiled target's graphs now, not on the first requests: one token of
-        one sequence, two tokens of one, then one token each of two sequences (a batch-invariant
-        target has one graph for all: two tokens), written into the first blocks (no request
-        holds any yet). A progress bar on a terminal: the first compilation takes a minute or
-        two; torch's on-disk caches shorten the next."""
+        one sequence, two tokens of one, then, where the engine batches requests
+        (``max_batch_size`` > 1), one token each of two sequences (a batch-invariant target has
+        one graph for all: two tokens), written into the first blocks (no request holds any
+        yet). A progress bar on a terminal: the first compilation takes a minute or two;
+        torch's on-disk caches shorten the next."""
         started = time.perf_counter()
         blocks, size, device = self.kv.pool.num_blocks, self.kv.block_size, self.target.device
         first = list(range(min(2, blocks)))
-        steps = [[(first, 2)]] if self.batch_invariant else [[(first, 1)], [(first, 2)], [([0], 1), ([1], 1)]]
+        steps = [[(first, 2)]] if self.batch_invariant else [[(first, 1)], [(first, 2)]]
+        if not self.batch_invariant and self.scheduler.config.max_batch_size > 1:
+            steps.append([([0], 1), ([1], 1)])
         for step in tqdm(steps, desc="engine.compile: compiling the target's graphs", unit="graph", disable=None):
             if any(len(table) * size < count or max(table) >= blocks for table, count in step):
                 continue

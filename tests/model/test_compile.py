@@ -148,16 +148,20 @@ def test_an_integer_dot_target_compiles_one_graph_whose_tokens_ignore_their_neig
 def test_targets_compiled_in_one_process_keep_their_own_graphs(tiny_models):
     """Each target's graphs hold its own frozen weights: two models compiled side by side
     answer as they do eagerly (Gemma 2's soft-capping and sliding window go through the
-    attention operator)."""
+    attention operator). An engine of one request at a time compiles no graph for a step of
+    several sequences: two graphs each."""
     prompts = [[5, 9, 11, 3, 7, 5, 9]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     eager = {arch: LLM(model=str(tiny_models[arch]), dtype="float32").generate(prompts, params)[0].token_ids
              for arch in ("llama", "gemma2")}
-    compiled = {arch: LLM(model=str(tiny_models[arch]), dtype="float32", engine={"compile": True})
-                for arch in ("llama", "gemma2")}
+    release_kept_targets()
+    before = counters["stats"]["unique_graphs"]
+    compiled = {arch: LLM(model=str(tiny_models[arch]), dtype="float32",
+                          engine={"compile": True, "max_batch_size": 1}) for arch in ("llama", "gemma2")}
     assert eager["llama"] != eager["gemma2"]
     for arch, llm in compiled.items():
         assert llm.generate(prompts, params)[0].token_ids == eager[arch]
+    assert counters["stats"]["unique_graphs"] - before == 4
 
 
 def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_states(tiny_models):
