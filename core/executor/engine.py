@@ -148,9 +148,11 @@ class Engine:
         started = time.perf_counter()
         blocks, size, device = self.kv.pool.num_blocks, self.kv.block_size, self.target.device
         first = list(range(min(2, blocks)))
-        steps = [[(first, 2)]] if self.batch_invariant else [[(first, 1)], [(first, 2)]]
-        if not self.batch_invariant and self.scheduler.config.max_batch_size > 1:
-            steps.append([([0], 1), ([1], 1)])
+        if self.batch_invariant:
+            steps = [[(first, 2)]]
+        else:
+            batches = self.scheduler.config.max_batch_size > 1
+            steps = [[(first, 1)], [(first, 2)]] + ([[([0], 1), ([1], 1)]] if batches else [])
         for step in tqdm(steps, desc="engine.compile: compiling the target's graphs", unit="graph", disable=None):
             if any(len(table) * size < count or max(table) >= blocks for table, count in step):
                 continue
