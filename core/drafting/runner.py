@@ -207,7 +207,8 @@ class DraftRunner:
         if len(input_ids) > 1:
             dynamic += [input_ids, positions, *features.values(), *(attend[2:] if attend is not None else ())]
         for tensor in dynamic:
-            torch._dynamo.mark_dynamic(tensor, 0)
+            if tensor is not None:  # a draft cache keeps no window pools of its own
+                torch._dynamo.mark_dynamic(tensor, 0)
         compiled_step.meta = meta
         try:
             return self._compiled(input_ids, positions, attend, features)

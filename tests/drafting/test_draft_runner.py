@@ -61,8 +61,10 @@ def test_a_compiled_runner_matches_a_no_cache_forward_on_its_two_graphs(tiny_mod
     from torch._dynamo.utils import counters
 
     runner, ref = _models(tiny_models[arch])
+    before = counters["stats"]["unique_graphs"]
     runner.compile()
     graphs = counters["stats"]["unique_graphs"]
+    assert graphs == before + 2, "the module did not compile its two graphs"
     _tree_levels_then_accepted_path(runner, ref)
     p1, p2, p3 = [4, 8, 15, 16, 23, 42, 7], [3, 1, 4], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4]
     with torch.inference_mode():
