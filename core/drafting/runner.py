@@ -205,10 +205,9 @@ class DraftRunner:
         # sizes of tokens dynamic past one (a graph of one token is compiled apart), of keys always
         dynamic = [attend.key_slots, attend.key_pos] if attend is not None else []
         if len(input_ids) > 1:
-            dynamic += [input_ids, positions, *features.values(), *(attend[2:] if attend is not None else ())]
+            dynamic += [input_ids, positions, *features.values(), *(attend.row_tensors() if attend is not None else ())]
         for tensor in dynamic:
-            if tensor is not None:  # a draft cache keeps no window pools of its own
-                torch._dynamo.mark_dynamic(tensor, 0)
+            torch._dynamo.mark_dynamic(tensor, 0)
         compiled_step.meta = meta
         try:
             return self._compiled(input_ids, positions, attend, features)

@@ -90,6 +90,11 @@ class KeyRows(NamedTuple):
     window_slots: torch.Tensor | None = None
     window_key_slots: torch.Tensor | None = None
 
+    def row_tensors(self) -> list[torch.Tensor]:
+        """The step's tensors past the pools, the window fields only where they are given:
+        what a compiled graph takes with sizes dynamic in their first dimension."""
+        return [t for t in self[2:] if t is not None]
+
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              specdec: ForwardMetadata | SequenceKV | KeyRows | None = None, sliding_window=None,
@@ -563,7 +568,7 @@ class TargetModel:
         per_token = ("slots", "offset", "count", "query_pos", "window_slots")
         step = step._replace(**{name: getattr(step, name).repeat(copies if name in per_token else 1)
                                 for name in step._fields[2:] if getattr(step, name) is not None})
-        for tensor, dim in ((ids, 1), (positions, 1), (rows, 0), *((t, 0) for t in step[2:] if t is not None)):
+        for tensor, dim in ((ids, 1), (positions, 1), (rows, 0), *((t, 0) for t in step.row_tensors())):
             torch._dynamo.mark_dynamic(tensor, dim)
         _pools_dynamic(step.keys, step.values)
         with torch._inductor.config.patch({**CPP_WRAPPER_OPTIONS, "emulate_precision_casts": True}):
