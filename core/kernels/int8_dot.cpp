@@ -175,6 +175,7 @@ inline IntVec nibbles_low(IntVec v) { return _mm512_and_si512(v, _mm512_set1_epi
 inline IntVec nibbles_high(IntVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 inline IntVec int_zero() { return _mm512_setzero_si512(); }
 inline IntVec int_sub(IntVec a, IntVec b) { return _mm512_sub_epi32(a, b); }
+inline IntVec int_add(IntVec a, IntVec b) { return _mm512_add_epi32(a, b); }
 inline IntVec int_set(int32_t v) { return _mm512_set1_epi32(v); }
 inline FloatVec load_halves(const at::Half* p, int) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -204,6 +205,7 @@ inline IntVec nibbles_low(IntVec v) { return _mm256_and_si256(v, _mm256_set1_epi
 inline IntVec nibbles_high(IntVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 inline IntVec int_zero() { return _mm256_setzero_si256(); }
 inline IntVec int_sub(IntVec a, IntVec b) { return _mm256_sub_epi32(a, b); }
+inline IntVec int_add(IntVec a, IntVec b) { return _mm256_add_epi32(a, b); }
 inline IntVec int_set(int32_t v) { return _mm256_set1_epi32(v); }
 inline FloatVec load_halves(const at::Half* p, int half) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * half)));
@@ -226,6 +228,21 @@ constexpr bool CODES_OFFSET_SUBTRACTED = true;  // dot4_s8 already gives sum(w *
 #endif
 constexpr int LANES = GROUP / HALVES;
 
+// A model's weights do not stay in cache from one step to the next: each call streams its
+// layer's groups from memory. With one or two tokens the hardware's prefetcher keeps up;
+// with a tile of three or more (a verified draft, a batch) each block's arithmetic is long
+// enough that it does not, and a tile asks for the weights PREFETCH_BYTES ahead itself (a
+// 16- or 8-token step's products 20-40% faster on a 2-core EPYC, the one- and two-token
+// ones unchanged). The tiles below keep their tokens' accumulators in registers (the token
+// loop unrolled, the block loop not), and split each block's integer dot over two chains:
+// integer sums, exact in any order, so the float work after them is the same.
+constexpr int64_t PREFETCH_BYTES = 4096;
+constexpr int PREFETCH_MIN_TOKENS = 3;
+template <int LINES>
+inline void prefetch_ahead(const uint8_t* p) {
+  for (int c = 0; c < LINES; ++c) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES + 64 * c), _MM_HINT_T0);
+}
+
 // Q4: a group's block is 4 chunks of 64 bytes; chunk c holds columns 8c..8c+7, byte 4r+i
 // of it row r's column 8c+i (low nibble) and 8c+4+i (high nibble). dm: per block 16 d then
 // 16 m, float16 (GGUF's Q4_0 / Q4_1) or float32 (Q4_K, whose super-block scale times a
@@ -239,10 +256,14 @@ inline void q4_tile(const int8_t* a, const float* s, const float* sa, int64_t k,
   const int64_t blocks = k / BLOCK;
   for (int half = 0; half < HALVES; ++half) {
     FloatVec y[TT];
+#pragma GCC unroll 8
     for (int t = 0; t < TT; ++t) y[t] = fzero();
+#pragma GCC unroll 1
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* wb = w + b * (GROUP * BLOCK / 2);
+      if (half == 0 && TT >= PREFETCH_MIN_TOKENS) prefetch_ahead<4>(wb);
       IntVec q[8];
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const IntVec v = load_codes(wb + 64 * c, half);
         q[2 * c] = nibbles_low(v);
@@ -250,14 +271,21 @@ inline void q4_tile(const int8_t* a, const float* s, const float* sa, int64_t k,
       }
       const FloatVec d = load_scales(dm + b * 2 * GROUP, half);
       const FloatVec m = load_scales(dm + b * 2 * GROUP + GROUP, half);
+#pragma GCC unroll 8
       for (int t = 0; t < TT; ++t) {
         const int8_t* ab = a + t * k + b * BLOCK;
-        IntVec acc = int_zero();
-        for (int j = 0; j < 8; ++j) acc = dot4(acc, q[j], bcast(ab + 4 * j));
+        IntVec acc0 = int_zero(), acc1 = int_zero();
+#pragma GCC unroll 4
+        for (int j = 0; j < 8; j += 2) {
+          acc0 = dot4(acc0, q[j], bcast(ab + 4 * j));
+          acc1 = dot4(acc1, q[j + 1], bcast(ab + 4 * j + 4));
+        }
+        const IntVec acc = int_add(acc0, acc1);
         y[t] = fadd(y[t], fmul(to_float(acc), fmul(d, fset(s[t * blocks + b]))));
         y[t] = fadd(y[t], fmul(m, fset(sa[t * blocks + b])));
       }
     }
+#pragma GCC unroll 8
     for (int t = 0; t < TT; ++t) fstore(out + t * GROUP + half * LANES, y[t]);
   }
 }
@@ -270,20 +298,31 @@ inline void q8_tile(const int8_t* a, const float* s, const int32_t* sums, int64_
   const int64_t blocks = k / BLOCK;
   for (int half = 0; half < HALVES; ++half) {
     FloatVec y[TT];
+#pragma GCC unroll 8
     for (int t = 0; t < TT; ++t) y[t] = fzero();
+#pragma GCC unroll 1
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* wb = w + b * (GROUP * BLOCK);
+      if (half == 0 && TT >= PREFETCH_MIN_TOKENS) prefetch_ahead<8>(wb);
       IntVec q[8];
+#pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) q[c] = load_codes(wb + 64 * c, half);
+#pragma GCC unroll 8
       for (int t = 0; t < TT; ++t) {
         const int8_t* ab = a + t * k + b * BLOCK;
-        IntVec acc = int_zero();
-        for (int j = 0; j < 8; ++j) acc = dot4_s8(acc, q[j], bcast(ab + 4 * j));
+        IntVec acc0 = int_zero(), acc1 = int_zero();
+#pragma GCC unroll 4
+        for (int j = 0; j < 8; j += 2) {
+          acc0 = dot4_s8(acc0, q[j], bcast(ab + 4 * j));
+          acc1 = dot4_s8(acc1, q[j + 1], bcast(ab + 4 * j + 4));
+        }
+        IntVec acc = int_add(acc0, acc1);
         if (!CODES_OFFSET_SUBTRACTED) acc = int_sub(acc, int_set(128 * sums[t * blocks + b]));
         y[t] = fadd(y[t], fmul(to_float(acc), fset(s[t * blocks + b])));
       }
     }
     const FloatVec sc = load_floats(scale, half);
+#pragma GCC unroll 8
     for (int t = 0; t < TT; ++t) fstore(out + t * GROUP + half * LANES, fmul(y[t], sc));
   }
 }
@@ -298,25 +337,36 @@ inline void q8b_tile(const int8_t* a, const float* s, const int32_t* half_sums, 
   constexpr int CHUNKS = 8 / SUBS;  // 4-column chunks per scale
   for (int half = 0; half < HALVES; ++half) {
     FloatVec y[TT];
+#pragma GCC unroll 8
     for (int t = 0; t < TT; ++t) y[t] = fzero();
+#pragma GCC unroll 1
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* wb = w + b * (GROUP * BLOCK);
+      if (half == 0 && TT >= PREFETCH_MIN_TOKENS) prefetch_ahead<8>(wb);
       IntVec q[8];
+#pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) q[c] = load_codes(wb + 64 * c, half);
       FloatVec d[SUBS];
       for (int u = 0; u < SUBS; ++u) d[u] = load_floats(scales + (b * SUBS + u) * GROUP, half);
+#pragma GCC unroll 8
       for (int t = 0; t < TT; ++t) {
         const int8_t* ab = a + t * k + b * BLOCK;
         const int32_t* hs = half_sums + 2 * (t * blocks + b);
         const FloatVec st = fset(s[t * blocks + b]);
         for (int u = 0; u < SUBS; ++u) {
-          IntVec acc = int_zero();
-          for (int j = u * CHUNKS; j < (u + 1) * CHUNKS; ++j) acc = dot4_s8(acc, q[j], bcast(ab + 4 * j));
+          IntVec acc0 = int_zero(), acc1 = int_zero();
+#pragma GCC unroll 4
+          for (int j = u * CHUNKS; j < (u + 1) * CHUNKS; j += 2) {
+            acc0 = dot4_s8(acc0, q[j], bcast(ab + 4 * j));
+            acc1 = dot4_s8(acc1, q[j + 1], bcast(ab + 4 * j + 4));
+          }
+          IntVec acc = int_add(acc0, acc1);
           if (!CODES_OFFSET_SUBTRACTED) acc = int_sub(acc, int_set(128 * (SUBS == 1 ? hs[0] + hs[1] : hs[u])));
           y[t] = fadd(y[t], fmul(to_float(acc), fmul(d[u], st)));
         }
       }
     }
+#pragma GCC unroll 8
     for (int t = 0; t < TT; ++t) fstore(out + t * GROUP + half * LANES, y[t]);
   }
 }
