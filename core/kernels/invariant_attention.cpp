@@ -22,6 +22,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // LANES floats as one value of GCC's vector extension: one register, 16 floats where the
@@ -45,16 +49,31 @@ inline lanes_t load_lanes(const float* p) {
   return v;
 }
 
+// A pool's 16-bit elements widened to float (exact either way). With AVX-512, one widening
+// instruction for the 16 lanes: GCC lowers the generic conversion through 8-lane halves
+// and inserts, three times the instructions, which a decode's walk over its keys spent most
+// of its time on.
 inline lanes_t load_lanes(const c10::BFloat16* p) {  // bfloat16 is the high half of a float32
+#if defined(__AVX512F__)
+  return reinterpret_cast<lanes_t>(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
   half_lanes_t bits;
   std::memcpy(&bits, p, sizeof(bits));
   return reinterpret_cast<lanes_t>(__builtin_convertvector(bits, wide_lanes_t) << 16);
+#endif
 }
 
 inline lanes_t load_lanes(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<lanes_t>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  return reinterpret_cast<lanes_t>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
   float wide[LANES];
   for (int64_t l = 0; l < LANES; ++l) wide[l] = static_cast<float>(p[l]);
   return load_lanes(wide);
+#endif
 }
 
 inline void store_lanes(float* p, lanes_t v) { std::memcpy(p, &v, sizeof(v)); }
@@ -320,8 +339,8 @@ void attend(const float* query, const T* keys, const T* values, T* out, const in
           const T* v = values + row_slots[j] * value_stride + g * dim_v;
           float* kw = k_buf.data() + (j - k_lo) * dim;
           float* vw = v_buf.data() + (j - k_lo) * dim_v;
-          for (int64_t d = 0; d < dim; ++d) kw[d] = static_cast<float>(k[d]);
-          for (int64_t d = 0; d < dim_v; ++d) vw[d] = static_cast<float>(v[d]);
+          for (int64_t d = 0; d < dim; d += LANES) store_lanes(kw + d, load_lanes(k + d));
+          for (int64_t d = 0; d < dim_v; d += LANES) store_lanes(vw + d, load_lanes(v + d));
           k_wide[j - k_lo] = kw;
           v_wide[j - k_lo] = vw;
         }
