@@ -8,8 +8,10 @@
 // order). A work item is a KV head of one token, or of a tile of consecutive tokens sharing
 // one row (a prompt chunk's, a draft chain's), which widens that row to float once for all
 // of them: the same numbers, since widening is exact; where the items are fewer than the
-// threads, each chunk of them. Nothing a token computes depends on which or how many other
-// tokens share the call, nor on how the work is split across threads.
+// threads, each chunk of them. The query heads of a KV head are attended together, each
+// value loaded once for all of them (a head's sums are the ones it would get alone).
+// Nothing a token computes depends on which or how many other tokens share the call, nor
+// on how the work is split across threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -93,6 +95,15 @@ inline float reduce_lanes(lanes_t v) {
   return v[0];
 }
 
+// A token's key row is attended in chunks of KEY_CHUNK keys (whole blocks of LANES), each
+// giving its own maximum score, sum of weights and weighted sum of values; the chunks are
+// then added in order, each rescaled to the row's maximum. Chunk boundaries are fixed
+// columns of the row, so a token's numbers do not depend on how the chunks are shared out
+// to threads: a lone decode token's long row is split across threads, a batch's rows are not.
+constexpr int64_t KEY_CHUNK = 256;
+// the most query heads of one KV head attended at once
+constexpr int64_t MAX_HEADS_AT_ONCE = 4;
+
 // The scores of LANES keys (rows[key] -> DIM elements) against q: each key's products summed
 // into LANES lanes, the lanes reduced as reduce_lanes does, for all LANES keys at once (a
 // pair of shuffles and an addition per level and pair of vectors, key k ending in lane k).
@@ -132,21 +143,31 @@ inline lanes_t block_scores(const float* q, const T* const* rows, int64_t dim) {
   return __builtin_shuffle(by2[0], by2[1], low1) + __builtin_shuffle(by2[0], by2[1], low1 + 1);
 }
 
-// a[d] = sum_k p[k] * rows[k][d], keys in order, LANES columns a vector
-template <int64_t DIM, typename T>
-inline void weigh_values(const float* p, const T* const* rows, int64_t n, int64_t dim_v, float* a) {
+// a[h][d] = sum_k p[h][k] * rows[k][d], keys in order, LANES columns a vector, for NH heads
+// (p's rows KEY_CHUNK apart) sharing the values: each loaded and widened once.
+template <int64_t DIM, int NH, typename T>
+inline void weigh_values(const float* p, const T* const* rows, int64_t n, int64_t dim_v, float* const* a) {
   if constexpr (DIM > 0) {
     constexpr int64_t C = DIM / LANES;
-    lanes_t sums[C] = {};
-    for (int64_t k = 0; k < n; ++k)
+    lanes_t sums[NH][C] = {};
+    for (int64_t k = 0; k < n; ++k) {
+      lanes_t r[C];
 #pragma GCC unroll 16
-      for (int64_t c = 0; c < C; ++c) sums[c] += p[k] * load_lanes(rows[k] + c * LANES);
-    for (int64_t c = 0; c < C; ++c) store_lanes(a + c * LANES, sums[c]);
+      for (int64_t c = 0; c < C; ++c) r[c] = load_lanes(rows[k] + c * LANES);
+      for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < C; ++c) sums[h][c] += p[h * KEY_CHUNK + k] * r[c];
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int64_t c = 0; c < C; ++c) store_lanes(a[h] + c * LANES, sums[h][c]);
   } else {
     for (int64_t c = 0; c < dim_v; c += LANES) {
-      lanes_t sum = {};
-      for (int64_t k = 0; k < n; ++k) sum += p[k] * load_lanes(rows[k] + c);
-      store_lanes(a + c, sum);
+      lanes_t sum[NH] = {};
+      for (int64_t k = 0; k < n; ++k) {
+        const lanes_t r = load_lanes(rows[k] + c);
+        for (int h = 0; h < NH; ++h) sum[h] += p[h * KEY_CHUNK + k] * r;
+      }
+      for (int h = 0; h < NH; ++h) store_lanes(a[h] + c, sum[h]);
     }
   }
 }
@@ -170,13 +191,6 @@ inline float exp_nonpositive(float x) {
   return y * scale;
 }
 
-// A token's key row is attended in chunks of KEY_CHUNK keys (whole blocks of LANES), each
-// giving its own maximum score, sum of weights and weighted sum of values; the chunks are
-// then added in order, each rescaled to the row's maximum. Chunk boundaries are fixed
-// columns of the row, so a token's numbers do not depend on how the chunks are shared out
-// to threads: a lone decode token's long row is split across threads, a batch's rows are not.
-constexpr int64_t KEY_CHUNK = 256;
-
 // What one chunk of a query head's key row gives: the largest score (-inf where every key
 // of the chunk weighs nothing), the sum of exp(score - max) and the values weighed by it.
 struct ChunkPartial {
@@ -184,15 +198,17 @@ struct ChunkPartial {
   float total;
 };
 
-// One query head of one token over keys [lo, hi) of k_rows, a stretch of its key row from a
+// NH query heads of one token over keys [lo, hi) of k_rows, a stretch of its key row from a
 // chunk boundary on (padded with zero keys to whole blocks of LANES; v_rows its values,
-// key_pos their positions), lo a multiple of LANES. R is the
-// rows' element type: the pool's own, or float where a tile of tokens widened its shared row
-// once (the same numbers: widening a bfloat16 or half is exact).
-template <int64_t DIM, typename R>
-inline ChunkPartial attend_chunk(const float* q, const R* const* k_rows, const R* const* v_rows, int64_t lo,
-                                 int64_t hi, int64_t dim, int64_t dim_v, float scale, float softcap, int64_t window,
-                                 int64_t query_pos, const int64_t* key_pos, float* s, float* acc) {
+// key_pos their positions), lo a multiple of LANES: each head's partial into part[h], its
+// weighed values into acc[h], its scores in s[h * KEY_CHUNK ...]. The heads share the keys'
+// and values' loads; each head's numbers are the ones it would get alone. R is the rows'
+// element type: the pool's own, or float where a tile of tokens widened its shared row once
+// (the same numbers: widening a bfloat16 or half is exact).
+template <int64_t DIM, int NH, typename R>
+inline void attend_chunk(const float* const* q, const R* const* k_rows, const R* const* v_rows, int64_t lo,
+                         int64_t hi, int64_t dim, int64_t dim_v, float scale, float softcap, int64_t window,
+                         int64_t query_pos, const int64_t* key_pos, float* s, float* const* acc, ChunkPartial* part) {
   const float inf = std::numeric_limits<float>::infinity();
   if (window > 0) {
     // whole blocks of keys before the first one inside the window weigh nothing: they are
@@ -201,36 +217,49 @@ inline ChunkPartial attend_chunk(const float* q, const R* const* k_rows, const R
     while (first < hi && query_pos - key_pos[first] >= window) ++first;
     lo = first / LANES * LANES;
   }
-  if (lo >= hi) return {-inf, 0.0f};
+  if (lo >= hi) {
+    for (int h = 0; h < NH; ++h) part[h] = {-inf, 0.0f};
+    return;
+  }
   const int64_t n = hi - lo, blocks = (n + LANES - 1) / LANES;
   k_rows += lo;
   v_rows += lo;
   key_pos += lo;
-  for (int64_t b = 0; b < blocks; ++b) store_lanes(s + b * LANES, block_scores<DIM>(q, k_rows + b * LANES, dim) * scale);
-  if (softcap > 0.0f)
-    for (int64_t j = 0; j < n; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
-  // a key outside the sliding window weighs nothing (its place in the row stays the one
-  // plain decoding gives it); nor do the last block's missing keys
-  if (window > 0)
-    for (int64_t j = 0; j < n; ++j)
-      if (query_pos - key_pos[j] >= window) s[j] = -inf;
-  for (int64_t j = n; j < blocks * LANES; ++j) s[j] = -inf;
-  lanes_t top = load_lanes(s);
-  for (int64_t b = 1; b < blocks; ++b) {
-    const lanes_t x = load_lanes(s + b * LANES);
-    top = x > top ? x : top;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int h = 0; h < NH; ++h)
+      store_lanes(s + h * KEY_CHUNK + b * LANES, block_scores<DIM>(q[h], k_rows + b * LANES, dim) * scale);
   }
-  float m = top[0];
-  for (int64_t l = 1; l < LANES; ++l) m = top[l] > m ? top[l] : m;
-  if (m == -inf) return {-inf, 0.0f};
-  for (int64_t j = 0; j < blocks * LANES; ++j) {
-    const float e = exp_nonpositive(s[j] - m);
-    s[j] = s[j] == -inf ? 0.0f : e;
+  for (int h = 0; h < NH; ++h) {
+    float* sh = s + h * KEY_CHUNK;
+    if (softcap > 0.0f)
+      for (int64_t j = 0; j < n; ++j) sh[j] = std::tanh(sh[j] / softcap) * softcap;
+    // a key outside the sliding window weighs nothing (its place in the row stays the one
+    // plain decoding gives it); nor do the last block's missing keys
+    if (window > 0)
+      for (int64_t j = 0; j < n; ++j)
+        if (query_pos - key_pos[j] >= window) sh[j] = -inf;
+    for (int64_t j = n; j < blocks * LANES; ++j) sh[j] = -inf;
+    lanes_t top = load_lanes(sh);
+    for (int64_t b = 1; b < blocks; ++b) {
+      const lanes_t x = load_lanes(sh + b * LANES);
+      top = x > top ? x : top;
+    }
+    float m = top[0];
+    for (int64_t l = 1; l < LANES; ++l) m = top[l] > m ? top[l] : m;
+    if (m == -inf) {  // every key weighs nothing: the head's values are not read
+      for (int64_t j = 0; j < blocks * LANES; ++j) sh[j] = 0.0f;
+      part[h] = {-inf, 0.0f};
+      continue;
+    }
+    for (int64_t j = 0; j < blocks * LANES; ++j) {
+      const float e = exp_nonpositive(sh[j] - m);
+      sh[j] = sh[j] == -inf ? 0.0f : e;
+    }
+    lanes_t total = {};
+    for (int64_t b = 0; b < blocks; ++b) total += load_lanes(sh + b * LANES);
+    part[h] = {m, reduce_lanes(total)};
   }
-  lanes_t total = {};
-  for (int64_t b = 0; b < blocks; ++b) total += load_lanes(s + b * LANES);
-  weigh_values<DIM>(s, v_rows, n, dim_v, acc);
-  return {m, reduce_lanes(total)};
+  weigh_values<DIM, NH>(s, v_rows, n, dim_v, acc);
 }
 
 // A query head's result from its row's chunks, added in order at the row's maximum (one
@@ -294,6 +323,8 @@ void attend(const float* query, const T* keys, const T* values, T* out, const in
   plan.chunks = (longest + KEY_CHUNK - 1) / KEY_CHUNK;
   plan.split = plan.chunks > 1 && num_tiles * kv_heads < 2 * at::get_num_threads();
   const int64_t chunk_items = plan.split ? plan.chunks : 1;
+  // the query heads of a KV head attended together (sharing its keys' and values' loads)
+  const int64_t heads_at_once = rep % 4 == 0 ? 4 : rep % 3 == 0 ? 3 : rep % 2 == 0 ? 2 : 1;
   // the split partials: [token][head][chunk] (each token's own chunks; the rest unused)
   std::vector<ChunkPartial> parts(plan.split ? tokens * heads * plan.chunks : 0);
   std::vector<float> part_accs(plan.split ? tokens * heads * plan.chunks * dim_v : 0);
@@ -302,9 +333,9 @@ void attend(const float* query, const T* keys, const T* values, T* out, const in
   at::parallel_for(0, num_tiles * kv_heads * chunk_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<const T*> k_rows, v_rows;
     std::vector<const float*> k_wide, v_wide;
-    std::vector<float> scores(KEY_CHUNK), sums(dim_v), k_buf, v_buf;
-    std::vector<ChunkPartial> own(plan.split ? 0 : plan.chunks);
-    std::vector<float> own_accs(plan.split ? 0 : plan.chunks * dim_v);
+    std::vector<float> scores(MAX_HEADS_AT_ONCE * KEY_CHUNK), sums(dim_v), k_buf, v_buf;
+    std::vector<ChunkPartial> own(plan.split ? 0 : MAX_HEADS_AT_ONCE * plan.chunks);
+    std::vector<float> own_accs(plan.split ? 0 : MAX_HEADS_AT_ONCE * plan.chunks * dim_v);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = plan.order[item / (kv_heads * chunk_items)], g = item / chunk_items % kv_heads;
       const int64_t first = plan.tiles[tile], last = plan.tiles[tile + 1];
@@ -345,22 +376,46 @@ void attend(const float* query, const T* keys, const T* values, T* out, const in
           v_wide[j - k_lo] = vw;
         }
       }
+      // query heads [h0, h0 + NH) of token t over the item's chunks (n keys in its row)
+      const auto attend_heads = [&]<int NH>(int64_t t, int64_t h0, int64_t n) {
+        const int64_t t_chunks = (n + KEY_CHUNK - 1) / KEY_CHUNK;
+        const int64_t* t_pos = key_pos + offset[t] + k_lo;
+        ChunkPartial* p[NH];
+        float* a[NH];
+        const float* qs[NH];
+        for (int i = 0; i < NH; ++i) {
+          const int64_t h = h0 + i;
+          p[i] = plan.split ? parts.data() + (t * heads + h) * plan.chunks : own.data() + i * plan.chunks;
+          a[i] = plan.split ? part_accs.data() + (t * heads + h) * plan.chunks * dim_v
+                            : own_accs.data() + i * plan.chunks * dim_v;
+          qs[i] = query + (t * heads + h) * dim;
+        }
+        for (int64_t c = c_lo; c < c_hi && c < t_chunks; ++c) {
+          const int64_t lo = c * KEY_CHUNK - k_lo, hi = std::min(c * KEY_CHUNK + KEY_CHUNK, n) - k_lo;
+          ChunkPartial got[NH];
+          float* ac[NH];
+          for (int i = 0; i < NH; ++i) ac[i] = a[i] + c * dim_v;
+          if (widen)
+            attend_chunk<DIM, NH>(qs, k_wide.data(), v_wide.data(), lo, hi, dim, dim_v, scale, softcap, window,
+                                  query_pos[t], t_pos, scores.data(), ac, got);
+          else
+            attend_chunk<DIM, NH>(qs, k_rows.data(), v_rows.data(), lo, hi, dim, dim_v, scale, softcap, window,
+                                  query_pos[t], t_pos, scores.data(), ac, got);
+          for (int i = 0; i < NH; ++i) p[i][c] = got[i];
+        }
+        if (!plan.split)
+          for (int i = 0; i < NH; ++i)
+            add_chunks(p[i], a[i], t_chunks, dim_v, sums.data(), out + (t * heads + h0 + i) * dim_v);
+      };
       for (int64_t t = first; t < last; ++t) {
         if (plan.repeats[t]) continue;
-        const int64_t n = count[t], t_chunks = (n + KEY_CHUNK - 1) / KEY_CHUNK;
-        const int64_t* t_pos = key_pos + offset[t] + k_lo;
-        for (int64_t h = g * rep; h < (g + 1) * rep; ++h) {
-          ChunkPartial* p = plan.split ? parts.data() + (t * heads + h) * plan.chunks : own.data();
-          float* a = plan.split ? part_accs.data() + (t * heads + h) * plan.chunks * dim_v : own_accs.data();
-          for (int64_t c = c_lo; c < c_hi && c < t_chunks; ++c) {
-            const int64_t lo = c * KEY_CHUNK - k_lo, hi = std::min(c * KEY_CHUNK + KEY_CHUNK, n) - k_lo;
-            const float* q = query + (t * heads + h) * dim;
-            p[c] = widen ? attend_chunk<DIM>(q, k_wide.data(), v_wide.data(), lo, hi, dim, dim_v, scale, softcap,
-                                             window, query_pos[t], t_pos, scores.data(), a + c * dim_v)
-                         : attend_chunk<DIM>(q, k_rows.data(), v_rows.data(), lo, hi, dim, dim_v, scale, softcap,
-                                             window, query_pos[t], t_pos, scores.data(), a + c * dim_v);
+        for (int64_t h0 = g * rep; h0 < (g + 1) * rep; h0 += heads_at_once) {
+          switch (heads_at_once) {
+            case 4: attend_heads.template operator()<4>(t, h0, count[t]); break;
+            case 3: attend_heads.template operator()<3>(t, h0, count[t]); break;
+            case 2: attend_heads.template operator()<2>(t, h0, count[t]); break;
+            default: attend_heads.template operator()<1>(t, h0, count[t]);
           }
-          if (!plan.split) add_chunks(p, a, t_chunks, dim_v, sums.data(), out + (t * heads + h) * dim_v);
         }
       }
     }
