@@ -231,11 +231,11 @@ constexpr int LANES = GROUP / HALVES;
 // A model's weights do not stay in cache from one step to the next: each call streams its
 // layer's groups from memory. With one or two tokens the hardware's prefetcher keeps up;
 // with a tile of three or more (a verified draft, a batch) each block's arithmetic is long
-// enough that it does not, and a tile asks for the weights PREFETCH_BYTES ahead itself (a
-// 16- or 8-token step's products 20-40% faster on a 2-core EPYC, the one- and two-token
-// ones unchanged). The tiles below keep their tokens' accumulators in registers (the token
-// loop unrolled, the block loop not), and split each block's integer dot over two chains:
-// integer sums, exact in any order, so the float work after them is the same.
+// enough that it does not, and a tile asks for the weights PREFETCH_BYTES ahead itself
+// (from one or two tokens it only costs). The tiles keep their tokens' accumulators in
+// registers (the token loop unrolled, the block loop not), and split each block's integer
+// dot over two chains: integer sums, exact in any order, so the float work after them is
+// the same.
 constexpr int64_t PREFETCH_BYTES = 4096;
 constexpr int PREFETCH_MIN_TOKENS = 3;
 template <int LINES>
