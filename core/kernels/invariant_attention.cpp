@@ -201,8 +201,9 @@ struct ChunkPartial {
 // NH query heads of one token over keys [lo, hi) of k_rows, a stretch of its key row from a
 // chunk boundary on (padded with zero keys to whole blocks of LANES; v_rows its values,
 // key_pos their positions), lo a multiple of LANES: each head's partial into part[h], its
-// weighed values into acc[h], its scores in s[h * KEY_CHUNK ...]. The heads share the keys'
-// and values' loads; each head's numbers are the ones it would get alone. R is the rows'
+// weighed values into acc[h], its scores in s[h * KEY_CHUNK ...]. Scores are a head at a
+// time; the heads share the values' loads; each head's numbers are the ones it would get
+// alone. R is the rows'
 // element type: the pool's own, or float where a tile of tokens widened its shared row once
 // (the same numbers: widening a bfloat16 or half is exact).
 template <int64_t DIM, int NH, typename R>
@@ -246,7 +247,7 @@ inline void attend_chunk(const float* const* q, const R* const* k_rows, const R*
     }
     float m = top[0];
     for (int64_t l = 1; l < LANES; ++l) m = top[l] > m ? top[l] : m;
-    if (m == -inf) {  // every key weighs nothing: the head's values are not read
+    if (m == -inf) {  // every key weighs nothing: zero weights, its partial says so and is skipped
       for (int64_t j = 0; j < blocks * LANES; ++j) sh[j] = 0.0f;
       part[h] = {-inf, 0.0f};
       continue;
@@ -324,7 +325,8 @@ void attend(const float* query, const T* keys, const T* values, T* out, const in
   plan.split = plan.chunks > 1 && num_tiles * kv_heads < 2 * at::get_num_threads();
   const int64_t chunk_items = plan.split ? plan.chunks : 1;
   // the query heads of a KV head attended together (sharing its keys' and values' loads)
-  const int64_t heads_at_once = rep % 4 == 0 ? 4 : rep % 3 == 0 ? 3 : rep % 2 == 0 ? 2 : 1;
+  const int64_t heads_at_once =
+      rep % MAX_HEADS_AT_ONCE == 0 ? MAX_HEADS_AT_ONCE : rep % 3 == 0 ? 3 : rep % 2 == 0 ? 2 : 1;
   // the split partials: [token][head][chunk] (each token's own chunks; the rest unused)
   std::vector<ChunkPartial> parts(plan.split ? tokens * heads * plan.chunks : 0);
   std::vector<float> part_accs(plan.split ? tokens * heads * plan.chunks * dim_v : 0);
