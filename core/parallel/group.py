@@ -179,8 +179,10 @@ class TensorParallelGroup:
         self.plan_group = _gloo(dist.PrefixStore(f"{prefix}/plan", self._store), self.rank, self.size, timeout)
         backend = _nccl if self.device.type == "cuda" else _gloo
         self.forward_group = backend(dist.PrefixStore(f"{prefix}/forward", self._store), self.rank, self.size, timeout)
-        if self.rank == 0:
-            atexit.register(self.close)
+        # every rank leaves its groups before the interpreter is torn down, which aborts a
+        # process whose gloo threads are still running ("terminate called without an
+        # active exception")
+        atexit.register(self.close)
         mine = Fingerprint(config=unstructure(config), plugins=_plugins(), specdec_version=version("specdec"))
         prints = self._gather((mine, socket.gethostname(), os.getpid()))
         self.peers = [(host, pid) for _, host, pid in prints]
