@@ -13,6 +13,7 @@ import torch
 from specdec import LLM, SamplingParams, hookimpl, testing
 from specdec.drafting.interface import DraftProposal
 from specdec.executor.planner import (
+    AcceptanceSpread,
     AcceptanceStats,
     DraftOption,
     DraftPlanner,
@@ -311,6 +312,38 @@ def test_a_requests_estimate_leans_on_the_engine_wide_one_as_the_planner_says():
         assert mine.rate(3, 0) == pytest.approx(weight * planner.stats.rate(3, 0) / (seen + weight))
         rates[weight] = mine.rate(3, 0)
     assert rates[3.0] > 0.45 and rates[1.0] < 0.25
+
+
+def test_requests_lean_on_the_engine_wide_estimate_as_far_as_they_do_not_differ():
+    """``AcceptanceSpread``: requests accepting at one rate (a trained drafter on
+    open-ended text) earn the heaviest prior, so that a few rejected drafts do not hold
+    one off; requests that differ (ngram copying or not) keep the lightest; the planner
+    hands the weight to every request's estimate."""
+    rng = random.Random(0)
+
+    def weight(rates: list[float]) -> float:
+        spread = AcceptanceSpread()
+        blocks = [[0, 0] for _ in rates]
+        for _ in range(400):
+            for block, rate in zip(blocks, rates):
+                spread.observe(block, rng.random() < rate)
+        return spread.prior_weight()
+
+    assert AcceptanceSpread().prior_weight() == 3.0  # nothing seen: the light prior
+    assert weight([0.35] * 4) > 30.0  # the spread of chance alone (its estimate is noisy too)
+    assert weight([0.9, 0.1, 0.9, 0.1]) == 3.0
+    assert 8.0 < weight([0.25, 0.45] * 2) < 50.0  # differing a little: in between
+
+    planner = DraftPlanner(lambda depth: depth, probe_interval=8)
+    reqs = [types.SimpleNamespace(request_id=f"r{i}") for i in range(4)]
+    proposal = DraftProposal(token_ids=[1])
+    for _ in range(200):
+        for req in reqs:
+            planner.observe_verified(req, proposal, [0] if rng.random() < 0.35 else [])
+    lean = planner.request_prior_weight
+    assert lean > 30.0
+    assert all(planner.request_stats(req).prior_weight == lean for req in reqs)
+    assert planner.request_stats(types.SimpleNamespace(request_id="late")).prior_weight == lean
 
 
 class PhasedDrafter:

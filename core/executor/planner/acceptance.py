@@ -32,6 +32,11 @@ class AcceptanceStats:
     _memo: dict = attrs.field(factory=dict, init=False, repr=False, eq=False)  # (what, kind, depth) -> rates, curve
     _memo_prior: int = attrs.field(default=-1, init=False, repr=False, eq=False)  # the prior's version it holds
 
+    def set_prior_weight(self, weight: float) -> None:
+        """Lean on the prior with the weight of ``weight`` observations from now on."""
+        self.prior_weight = weight
+        self._memo.clear()
+
     def observe_ask(self, drafted: bool) -> None:
         """The drafter was asked for a draft and proposed one (``drafted``) or nothing."""
         self.asks[0] = self.asks[0] * self.decay + 1.0
@@ -134,3 +139,53 @@ class AcceptanceStats:
     def kinds(self) -> set:
         mine = set(self.counts)
         return mine | self.prior.kinds() if self.prior is not None else mine
+
+
+@attrs.define
+class AcceptanceSpread:
+    """How far requests' first-position acceptance really differs, and so how far a
+    request's own estimate should lean on the engine-wide one.
+
+    Each request's drafts are counted in blocks of ``block`` in a row; a finished block's
+    accepted share enters decayed moments (``forgetting`` per block). Were every request
+    accepting at the engine's rate ``p``, the shares would vary by chance alone,
+    ``p (1 - p) / block``; what they vary beyond that, ``tau^2``, is how much requests (or
+    stretches of one) truly differ. A beta prior with that spread has the weight of
+    ``p (1 - p) / tau^2 - 1`` observations (the method of moments): a trained drafter on
+    open-ended text, whose requests differ little, earns a heavy prior, so that a few
+    rejected drafts do not hold a request off; ngram, whose requests copy their prompts
+    in some stretches and not in others, keeps a light one and follows each request.
+    :meth:`prior_weight` is that weight within ``[low, high]``, ``low`` until
+    ``min_blocks`` blocks were seen."""
+
+    block: int = 8
+    forgetting: float = 0.98
+    low: float = 3.0
+    high: float = 50.0
+    min_blocks: float = 4.0
+    moments: list[float] = attrs.Factory(lambda: [0.0, 0.0, 0.0])  # decayed blocks, sum of shares, of squares
+
+    def observe(self, pending: list[int], accepted: bool) -> bool:
+        """One more draft of a request whose unfinished block is ``pending`` ([drafts,
+        first positions accepted], updated here), its first position ``accepted`` or not.
+        Returns whether it finished the block (:meth:`prior_weight` may have moved)."""
+        pending[0] += 1
+        pending[1] += int(accepted)
+        if pending[0] < self.block:
+            return False
+        share = pending[1] / self.block
+        pending[0] = pending[1] = 0
+        m, f = self.moments, self.forgetting
+        m[0], m[1], m[2] = f * m[0] + 1.0, f * m[1] + share, f * m[2] + share * share
+        return True
+
+    def prior_weight(self) -> float:
+        blocks, total, squares = self.moments
+        if blocks < self.min_blocks:
+            return self.low
+        p = total / blocks
+        chance = p * (1.0 - p)
+        beyond = squares / blocks - p * p - chance / self.block
+        if beyond <= chance / (self.high + 1.0):
+            return self.high
+        return min(max(chance / beyond - 1.0, self.low), self.high)

@@ -23,7 +23,7 @@ import attrs
 
 from ...config import SpeculativeConfig
 from ...drafting.interface import TREE_KIND, first_child_path
-from .acceptance import AcceptanceStats
+from .acceptance import AcceptanceSpread, AcceptanceStats
 from .cost_model import FixedCosts, StepCostModel
 from .depth_choice import DraftOption, StepLoad, StepShape, attention_work, best_depths
 from .probe_budget import ProbeBudget
@@ -44,6 +44,7 @@ class RequestDraftState:
     recent_acceptance: deque = attrs.Factory(lambda: deque(maxlen=64))  # accepted share of each recent draft
     paused_until: int = 0  # decode step at which a low-acceptance pause ends
     drafted_at: int = 0  # its tokens when its drafter was last asked (the drafter has seen them)
+    block: list = attrs.Factory(lambda: [0, 0])  # its unfinished block of drafts (:class:`AcceptanceSpread`)
 
 
 @attrs.frozen
@@ -89,6 +90,7 @@ class DraftPlanner:
         self.padded_attention = padded_attention
         self.tree_batch = tree_batch
         self.stats = AcceptanceStats(decay=0.99, prior_weight=2.0)
+        self.spread = AcceptanceSpread()
         self.aux_tokens = 0.0
         self.requests: dict[str, RequestDraftState] = {}
         self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
@@ -96,8 +98,9 @@ class DraftPlanner:
         self.num_warm_ups = 0
         #: how many observations the engine-wide estimate weighs as in a request's own
         #: (:class:`AcceptanceStats`): lower lets a request's own failures count sooner but
-        #: makes its estimate noisier (``scripts/ab_planner.py`` varies it).
-        self.request_prior_weight = attrs.fields(AcceptanceStats).prior_weight.default
+        #: makes its estimate noisier. Set from how far requests' acceptance is seen to
+        #: differ (:attr:`spread`); ``spread.high=3`` in ``scripts/ab_planner.py`` pins it.
+        self.request_prior_weight = self.spread.low
 
     @classmethod
     def for_config(cls, spec: SpeculativeConfig, padded_attention: bool, tree_batch: bool,
@@ -389,13 +392,29 @@ class DraftPlanner:
         """What the target accepted of a verified ``proposal`` (its accepted nodes, root
         first); for a dynamic tree whose drafter may be asked for a chain, also how far its
         chain, the path of first children, would have been accepted, so that the chain's
-        estimate is read where the trees run, not only where chains were tried."""
+        estimate is read where the trees run, not only where chains were tried. A draft
+        of no kind of its own (a trained drafter's chain or tree) counts its first
+        position towards how far requests differ (:attr:`spread`), which sets how far each
+        request's estimate leans on the engine-wide one; drafts of kinds (ngram's and
+        suffix's match lengths) already say which drafts are worth what, and their
+        requests keep the light prior."""
         self.observe(req, proposal.kind, proposal.depth, len(accepted_nodes))
+        if proposal.kind in (None, TREE_KIND) and self.spread.observe(self.state(req).block, bool(accepted_nodes)):
+            self._lean_requests(self.spread.prior_weight())
         if self.chain_or_tree and proposal.kind == TREE_KIND:
             chain = first_child_path(proposal.parents)
             kept = next((j for j, (a, c) in enumerate(zip(accepted_nodes, chain)) if a != c),
                         min(len(accepted_nodes), len(chain)))
             self.observe(req, None, len(chain), kept)
+
+    def _lean_requests(self, weight: float) -> None:
+        """Every request's estimate leans on the engine-wide one with ``weight`` from now on."""
+        if abs(weight - self.request_prior_weight) <= 0.05 * self.request_prior_weight:
+            return
+        self.request_prior_weight = weight
+        for state in self.requests.values():
+            if state.stats is not None:
+                state.stats.set_prior_weight(weight)
 
     def observe(self, req, kind: Hashable, depth: int, accepted: int) -> None:
         """What the target accepted of a verified draft of ``depth`` levels."""
