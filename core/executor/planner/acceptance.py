@@ -153,10 +153,10 @@ class AcceptanceSpread:
     stretches of one) truly differ. A beta prior with that spread has the weight of
     ``p (1 - p) / tau^2 - 1`` observations (the method of moments): a trained drafter on
     open-ended text, whose requests differ little, earns a heavy prior, so that a few
-    rejected drafts do not hold a request off; ngram, whose requests copy their prompts
-    in some stretches and not in others, keeps a light one and follows each request.
-    :meth:`prior_weight` is that weight within ``[low, high]``, ``low`` until
-    ``min_blocks`` blocks were seen."""
+    rejected drafts do not hold a request off; requests that differ keep a light one and
+    follow their own drafts. :meth:`prior_weight` is that weight within ``[low, high]``,
+    ``low`` until ``min_blocks`` blocks were seen. The planner feeds it only drafts of no
+    kind of their own (:meth:`DraftPlanner.observe_verified`)."""
 
     block: int = 8
     forgetting: float = 0.98
@@ -180,6 +180,7 @@ class AcceptanceSpread:
         return True
 
     def prior_weight(self) -> float:
+        """The weight of observations a request's estimate gives the engine-wide one."""
         blocks, total, squares = self.moments
         if blocks < self.min_blocks:
             return self.low
