@@ -5,9 +5,12 @@ On one machine it starts ranks ``1 .. N-1`` itself (``python -m specdec.parallel
 killed with it); under ``torchrun`` every rank runs the user's program and ranks other than 0
 turn into workers inside ``LLM()``. Two process groups: the target's own collectives (NCCL on
 GPUs, gloo on CPUs) and a gloo group on which rank 0 sends its operations
-(:mod:`.messages`), both with ``engine.distributed_timeout_s`` on every collective. An idle
-rank 0 sends heartbeats, so a waiting worker times out only when rank 0 is gone; a worker
-that died or stopped answering turns every later call into a :class:`WorkerError` naming it.
+(:mod:`.messages`), both with ``engine.distributed_timeout_s`` on every collective. Liveness
+is not asked on that wire: a rank busy with a long operation cannot take a message, yet it
+is alive. Each rank's watch thread ticks a counter in the group's store and reads its peers';
+a worker whose counter stands still for the timeout (it died or was stopped) turns every
+later call into a :class:`WorkerError` naming it, and a worker whose rank 0 stands still
+exits. A waiting worker waits as long as rank 0 lives.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, SpecdecError
-from .messages import Fingerprint, Heartbeat, Shutdown
+from .messages import Fingerprint, Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +53,13 @@ _GROUPS = itertools.count()
 #: what a failure while the ranks meet, and while they load their shards, is reported as
 STARTING = "starting the group"
 LOADING = "loading the target"
+WATCHING = "rank 0 watched it between operations"
 #: the least time the ranks are given to meet: a worker process imports torch and specdec
 #: first, which takes longer than a short ``distributed_timeout_s`` on a loaded machine
 JOIN_TIMEOUT_S = 60.0
+#: how long a worker's receive waits for rank 0's next operation: without end in practice,
+#: since the watch thread, not this timeout, finds a rank 0 that is gone
+IDLE_WAIT = datetime.timedelta(days=365)
 
 
 class WorkerError(SpecdecError):
@@ -102,9 +109,11 @@ class TensorParallelGroup:
         self.failure: WorkerError | None = None
         self.peers: list[tuple[str, int]] = []  # (host, pid) of each rank
         self._lock = threading.Lock()
-        self._last_send = time.monotonic()
         self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self._watch: threading.Thread | None = None
+        self._watch_error: Exception | None = None
+        self._moved: dict[int, float] = {}  # peer -> when its counter last moved
+        self._address: tuple[str, int] | None = None
         self._closed = False
         self.forward_group = None
         self.plan_group = None
@@ -170,6 +179,7 @@ class TensorParallelGroup:
         from ..config_loading import unstructure
 
         timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._address = (address, port)
         # torchrun's agent keeps the store the ranks meet at; otherwise rank 0 holds it
         master = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self._store = dist.TCPStore(address, port, self.size, is_master=master,
@@ -193,8 +203,7 @@ class TensorParallelGroup:
     def loaded(self) -> None:
         """Every rank calls this once its shard is loaded; it returns when all have. Ranks
         load at their own pace (a loaded machine, a slower disk), so the wait is the join
-        timeout, not ``distributed_timeout_s``, and rank 0's heartbeats start only after it:
-        a heartbeat that a worker still loading cannot take would fail the group."""
+        timeout, not ``distributed_timeout_s``, and the ranks watch each other only after it."""
         store = dist.PrefixStore(f"{self._prefix}/loaded", self._store)
         store.set(str(self.rank), "1")
         keys = [str(rank) for rank in range(self.size)]
@@ -206,16 +215,19 @@ class TensorParallelGroup:
             except RuntimeError as exc:
                 if time.monotonic() > deadline or any(proc.poll() is not None for proc in self.workers):
                     raise self._fail(LOADING, exc) from exc
-        if self.rank == 0:
-            self._heartbeat = threading.Thread(target=self._beat, name="specdec-tp-heartbeat", daemon=True)
-            self._heartbeat.start()
+        self._moved = dict.fromkeys(range(1, self.size) if self.rank == 0 else [0], time.monotonic())
+        self._watch = threading.Thread(target=self._watch_peers, name="specdec-tp-watch", daemon=True)
+        self._watch.start()
+        threading.Thread(target=self._judge, name="specdec-tp-judge", daemon=True).start()
 
-    def _broadcast(self, message):
+    def _broadcast(self, message, timeout: datetime.timedelta | None = None):
         """Rank 0's ``message`` on every rank, pickled: one broadcast of :data:`HEADER_BYTES`
         holding its length and, for a step's operations, all of it; a second for the rest of
-        a longer one."""
+        a longer one. ``timeout`` replaces the group's for the first."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
+        if timeout is not None:
+            options.timeout = timeout
         header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         if self.rank == 0:
             data = pickle.dumps(message)
@@ -223,6 +235,7 @@ class TensorParallelGroup:
             first = data[:HEADER_BYTES - 8]
             header[8:8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
         self.plan_group.broadcast([header], options).wait()
+        options.timeout = datetime.timedelta(seconds=self.timeout_s)
         length = int(header[:8].view(torch.int64))
         rest = b""
         if length > HEADER_BYTES - 8:
@@ -254,7 +267,6 @@ class TensorParallelGroup:
         started = time.perf_counter()
         with self._lock, self.guard("sending an operation"):
             self._broadcast(message)
-            self._last_send = time.monotonic()
         self.send_seconds += time.perf_counter() - started
 
     def check(self) -> None:
@@ -306,15 +318,46 @@ class TensorParallelGroup:
                 return dead
             time.sleep(0.05)
 
-    def _beat(self) -> None:
-        interval = max(0.2, self.timeout_s / 4)
-        while not self._stop.wait(interval / 2):
-            if time.monotonic() - self._last_send < interval or self._lock.locked():
+    def _watch_peers(self) -> None:
+        """Tick this rank's counter in the store and read the peers' (rank 0 reads every
+        worker's, a worker rank 0's) until closed, noting when each last moved. The store's
+        calls block without end on a stopped rank 0 that holds it, so a second thread
+        (:meth:`_judge`) decides, on these notes alone."""
+        interval = max(0.1, self.timeout_s / 8)
+        try:
+            store = dist.PrefixStore(f"{self._prefix}/alive", dist.TCPStore(
+                *self._address, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s),
+                wait_for_workers=False))
+            counts = dict.fromkeys(self._moved, -1)
+            while not self._stop.wait(interval):
+                store.add(str(self.rank), 1)
+                for peer in counts:
+                    count = store.add(str(peer), 0)
+                    if count != counts[peer]:
+                        counts[peer], self._moved[peer] = count, time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - a lost store: the judge finds the peers still
+            self._watch_error = exc
+
+    def _judge(self) -> None:
+        """A peer whose counter stood still for ``distributed_timeout_s``, or a started
+        worker that exited, is gone: rank 0 fails the group; a worker leaves its process,
+        since its receive cannot be interrupted."""
+        while not self._stop.wait(max(0.1, self.timeout_s / 8)):
+            now = time.monotonic()
+            still = [peer for peer, moved in self._moved.items() if now - moved > self.timeout_s]
+            exited = [rank for rank, proc in enumerate(self.workers, start=1) if proc.poll() is not None]
+            if not still and not exited:
                 continue
-            try:
-                self.send(Heartbeat())
-            except WorkerError:
+            if self._stop.wait(0 if self.rank == 0 else 1.0):  # a worker's Shutdown may be on its way
                 return
+            reason = (self._watch_error or
+                      TimeoutError(f"rank {(exited + still)[0]}'s counter stood still for {self.timeout_s:g} s"))
+            if self.rank == 0:
+                self._fail(WATCHING, reason)
+                return
+            log.error("rank %d stops: rank 0 did not answer within engine.distributed_timeout_s = %g s (%s: %s)",
+                      self.rank, self.timeout_s, type(reason).__name__, reason)
+            os._exit(1)
 
     def close(self) -> None:
         """Stop the workers (rank 0) and leave the process groups; idempotent."""
@@ -322,8 +365,8 @@ class TensorParallelGroup:
             return
         self._closed = True
         self._stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=5)
+        if self._watch is not None and self._watch is not threading.current_thread():
+            self._watch.join(timeout=5)
         if self.rank == 0 and self.failure is None and self.plan_group is not None:
             try:
                 with self._lock:
@@ -346,7 +389,10 @@ class TensorParallelGroup:
 
     def receive(self):
         """The next operation from rank 0 (a worker); raises when rank 0 is gone."""
-        return self._broadcast(None)
+        message = self._broadcast(None, IDLE_WAIT)
+        if isinstance(message, Shutdown):
+            self._stop.set()  # rank 0 may leave the store now: the watch must not take it for gone
+        return message
 
 
 def _gloo(store, rank: int, size: int, timeout: datetime.timedelta):

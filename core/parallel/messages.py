@@ -71,10 +71,5 @@ class SetLinearForwards:
 
 
 @attrs.frozen
-class Heartbeat:
-    """Rank 0 is alive and idle: a worker waiting for work never times out while it is."""
-
-
-@attrs.frozen
 class Shutdown:
     """Leave the loop and exit."""

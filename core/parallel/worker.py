@@ -18,7 +18,7 @@ from ..kvcache.layout import AttentionLayout
 from ..model.loading import load_weights, model_display_name, resolve_device, resolve_dtype
 from ..model.target import ForwardMetadata, TargetModel
 from .group import CONFIG_ENV, TensorParallelGroup, threads_per_rank
-from .messages import BuildCache, BuildTarget, CopySlots, Forward, Heartbeat, SetLinearForwards, Shutdown, sequence_on
+from .messages import BuildCache, BuildTarget, CopySlots, Forward, SetLinearForwards, Shutdown, sequence_on
 from .sharding import shard_model
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,6 @@ def serve(group: TensorParallelGroup, model: torch.nn.Module, name: str) -> None
     nothing = torch.empty(0, dtype=torch.long, device=device)
     while True:
         message = group.receive()
-        if isinstance(message, Heartbeat):
-            continue
         if isinstance(message, Forward):
             layout = AttentionLayout([sequence_on(s, device) for s in message.sequences], block_size, device)
             target.forward(message.input_ids.to(device), message.positions.to(device),

@@ -5,6 +5,7 @@ embedded model, the server and torchrun: test_parallel_embedded.py, test_paralle
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -118,24 +119,98 @@ while not isinstance(group.receive(), Shutdown):
 """
 
 
-def test_a_rank_that_loads_its_shard_slowly_is_waited_for(monkeypatch):
-    """Ranks meet, load their shards at their own pace, then meet again: rank 0's heartbeats
-    start only once every rank is loaded, so a rank loading for longer than
-    ``distributed_timeout_s`` does not fail the group."""
+def start_two_ranks(monkeypatch, rank1_script: str):
+    """Rank 1 runs ``rank1_script`` in a process of its own; this process is rank 0 (its
+    groups numbered from 0 again, as in the fresh process of a torchrun launch)."""
     from specdec.config_loading import config_from_dict
     from specdec.parallel import TensorParallelGroup
+    from specdec.parallel import group as group_module
+
+    monkeypatch.setattr(group_module, "_GROUPS", itertools.count())
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    rank1 = subprocess.Popen([sys.executable, "-c", SLOW_LOADING_RANK], env={**os.environ, **env, "RANK": "1"})
+    rank1 = subprocess.Popen([sys.executable, "-c", rank1_script], env={**os.environ, **env, "RANK": "1"})
     for name, value in {**env, "RANK": "0"}.items():
         monkeypatch.setenv(name, value)
     config = config_from_dict({"model": "unused", "engine": {"tensor_parallel_size": 2, "distributed_timeout_s": 1}})
     group = TensorParallelGroup.start(config, torch.device("cpu"))
     group.loaded()
-    time.sleep(4)  # idle: heartbeats go out and are taken
+    return group, rank1
+
+
+def test_a_rank_that_loads_its_shard_slowly_is_waited_for(monkeypatch):
+    """Ranks meet, load their shards at their own pace, then meet again: the ranks watch each
+    other only once every rank is loaded, so a rank loading for longer than
+    ``distributed_timeout_s`` does not fail the group."""
+    group, rank1 = start_two_ranks(monkeypatch, SLOW_LOADING_RANK)
+    time.sleep(4)  # idle: the ranks' counters tick
     assert group.failure is None
     group.close()
     assert rank1.wait(timeout=30) == 0
+
+
+BUSY_RANK = """
+import sys, time, torch
+from specdec.config_loading import config_from_dict
+from specdec.parallel import TensorParallelGroup
+from specdec.parallel.messages import Shutdown
+config = config_from_dict({"model": "unused", "engine": {"tensor_parallel_size": 2, "distributed_timeout_s": 1}})
+group = TensorParallelGroup.start(config, torch.device("cpu"))
+group.loaded()
+while not isinstance(message := group.receive(), Shutdown):
+    time.sleep(message)  # one operation for longer than distributed_timeout_s
+"""
+
+
+def test_a_worker_busy_for_longer_than_the_timeout_is_alive_and_a_stopped_one_is_found(monkeypatch):
+    """Liveness is not asked on the wire the operations travel: a worker three timeouts into
+    one operation is alive, and rank 0, idle meanwhile, keeps the group; a stopped worker
+    fails the group within about the timeout, with no operation sent."""
+    group, rank1 = start_two_ranks(monkeypatch, BUSY_RANK)
+    group.send(3.0)
+    time.sleep(4)
+    assert group.failure is None
+    group.send(0.0)  # taken: the worker is back at its receive
+    assert group.failure is None
+    os.kill(rank1.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while group.failure is None:
+        assert time.monotonic() < deadline, "a stopped worker was not found"
+        time.sleep(0.1)
+    assert "did not answer within engine.distributed_timeout_s = 1 s" in str(group.failure)
+    with pytest.raises(WorkerError):
+        group.send(0.0)
+    group.close()
+    rank1.kill()
+    rank1.wait()
+
+
+STOPPED_LEADER = """
+import os, signal, time, torch
+from specdec.config_loading import config_from_dict
+from specdec.parallel import TensorParallelGroup
+config = config_from_dict({"model": "unused", "engine": {"tensor_parallel_size": 2, "distributed_timeout_s": 1}})
+group = TensorParallelGroup.start(config, torch.device("cpu"))
+group.loaded()
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_waiting_worker_whose_rank_0_stops_leaves_with_an_error(monkeypatch):
+    """A script plays rank 0 and stops itself once the ranks are loaded: the worker's receive
+    cannot be interrupted, so its watch ends the process, naming rank 0."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    leader = subprocess.Popen([sys.executable, "-c", STOPPED_LEADER], env={**os.environ, **env, "RANK": "0"})
+    worker = subprocess.Popen([sys.executable, "-c", BUSY_RANK], env={**os.environ, **env, "RANK": "1"},
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = worker.communicate(timeout=60)
+        assert worker.returncode == 1
+        assert "rank 1 stops: rank 0 did not answer within engine.distributed_timeout_s = 1 s" in err
+    finally:
+        for proc in (leader, worker):
+            proc.kill()
+            proc.wait()
 
 
 def test_a_worker_with_another_configuration_is_refused(tmp_path):

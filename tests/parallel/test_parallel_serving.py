@@ -57,7 +57,7 @@ def test_the_server_under_tensor_parallelism_answers_and_reports_a_dead_worker(t
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while httpx.get(f"{base}/health").status_code != 503:  # the idle server's heartbeat finds it
+        while httpx.get(f"{base}/health").status_code != 503:  # the idle server's watch finds it
             assert time.monotonic() < deadline, "/health stayed healthy after a worker died"
             time.sleep(0.2)
         assert "rank 1" in httpx.get(f"{base}/health").json()["error"]["message"]
