@@ -114,6 +114,9 @@ class TensorParallelGroup:
         self._watch_error: Exception | None = None
         self._moved: dict[int, float] = {}  # peer -> when its counter last moved
         self._address: tuple[str, int] | None = None
+        #: how often the watch ticks and the judge looks: a stopped peer is found within
+        #: ``distributed_timeout_s`` plus this
+        self._tick_s = max(0.1, timeout_s / 8)
         self._closed = False
         self.forward_group = None
         self.plan_group = None
@@ -235,7 +238,8 @@ class TensorParallelGroup:
             first = data[:HEADER_BYTES - 8]
             header[8:8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
         self.plan_group.broadcast([header], options).wait()
-        options.timeout = datetime.timedelta(seconds=self.timeout_s)
+        if timeout is not None:
+            options.timeout = datetime.timedelta(seconds=self.timeout_s)
         length = int(header[:8].view(torch.int64))
         rest = b""
         if length > HEADER_BYTES - 8:
@@ -323,13 +327,12 @@ class TensorParallelGroup:
         worker's, a worker rank 0's) until closed, noting when each last moved. The store's
         calls block without end on a stopped rank 0 that holds it, so a second thread
         (:meth:`_judge`) decides, on these notes alone."""
-        interval = max(0.1, self.timeout_s / 8)
         try:
             store = dist.PrefixStore(f"{self._prefix}/alive", dist.TCPStore(
                 *self._address, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s),
                 wait_for_workers=False))
             counts = dict.fromkeys(self._moved, -1)
-            while not self._stop.wait(interval):
+            while not self._stop.wait(self._tick_s):
                 store.add(str(self.rank), 1)
                 for peer in counts:
                     count = store.add(str(peer), 0)
@@ -342,7 +345,7 @@ class TensorParallelGroup:
         """A peer whose counter stood still for ``distributed_timeout_s``, or a started
         worker that exited, is gone: rank 0 fails the group; a worker leaves its process,
         since its receive cannot be interrupted."""
-        while not self._stop.wait(max(0.1, self.timeout_s / 8)):
+        while not self._stop.wait(self._tick_s):
             now = time.monotonic()
             still = [peer for peer, moved in self._moved.items() if now - moved > self.timeout_s]
             exited = [rank for rank, proc in enumerate(self.workers, start=1) if proc.poll() is not None]
@@ -350,8 +353,8 @@ class TensorParallelGroup:
                 continue
             if self._stop.wait(0 if self.rank == 0 else 1.0):  # a worker's Shutdown may be on its way
                 return
-            reason = (self._watch_error or
-                      TimeoutError(f"rank {(exited + still)[0]}'s counter stood still for {self.timeout_s:g} s"))
+            reason = (ChildProcessError(f"rank {exited[0]} exited") if exited else self._watch_error or
+                      TimeoutError(f"rank {still[0]}'s counter stood still for {self.timeout_s:g} s"))
             if self.rank == 0:
                 self._fail(WATCHING, reason)
                 return
@@ -365,7 +368,7 @@ class TensorParallelGroup:
             return
         self._closed = True
         self._stop.set()
-        if self._watch is not None and self._watch is not threading.current_thread():
+        if self._watch is not None:
             self._watch.join(timeout=5)
         if self.rank == 0 and self.failure is None and self.plan_group is not None:
             try:
