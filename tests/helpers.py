@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -105,6 +110,29 @@ def random_layout(gen, block_size: int, num_blocks: int, shapes: list, device: s
             mask, positions = None, torch.arange(start, start + n)
         seqs.append(SequenceSlice(block_table=table, start=start, positions=positions, tree_mask=mask))
     return AttentionLayout(seqs, block_size, torch.device(device))
+
+
+def specdec_cli(*args: str, input: str | None = None, env: dict | None = None,
+                timeout: int = 900) -> subprocess.CompletedProcess:
+    """``python -m specdec.cli ARGS`` as a user runs it, in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, input=input,
+                          timeout=timeout, env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+
+
+def specdec_main(*args: str) -> subprocess.CompletedProcess:
+    """The command line's ``main(ARGS)`` in this process, its status (argparse's exits
+    included) and its output captured as :func:`specdec_cli` returns them: for what the
+    command refuses before it loads a model (a bad flag, file or config), where a process of
+    its own adds only its imports (10-15 s on CI's 2 cores)."""
+    from specdec.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code
+    return subprocess.CompletedProcess(["specdec", *args], code, out.getvalue(), err.getvalue())
 
 
 def free_port() -> int:

@@ -3,12 +3,13 @@
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import specdec_cli as specdec
+from helpers import specdec_main
 
 from specdec import SamplingParams
 
@@ -19,11 +20,6 @@ def eager_default():
     from specdec.config_loading import config_from_dict
 
     return config_from_dict({"engine": {"compile": False}})
-
-
-def specdec(*args):
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
 
 
 def test_bench_builtin_sets_table_json_and_plots(tmp_path):
@@ -76,9 +72,9 @@ def test_bench_user_jsonl_and_its_errors(tmp_path):
     assert f"{min(ngram['speedup_by_repetition']):.2f}-{max(ngram['speedup_by_repetition']):.2f}" in result.stdout
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
-    result = specdec("bench", "--dataset", str(bad))
+    result = specdec_main("bench", "--dataset", str(bad))
     assert result.returncode == 2 and "bad.jsonl:1: expected" in result.stderr
-    result = specdec("bench", "--categories", "poetry")
+    result = specdec_main("bench", "--categories", "poetry")
     assert result.returncode == 2 and "unknown categories ['poetry']" in result.stderr
 
 
@@ -275,7 +271,7 @@ def test_llama_cpp_errors_name_the_fix(tmp_path, monkeypatch, tiny_models):
     from specdec.bench.runner import llama_cpp_systems
     from specdec.model.loading import embedded_gguf_path
 
-    result = specdec("bench", "plain", "--llama-cpp", "--model", str(tiny_models["llama"]), "--max-tokens", "4")
+    result = specdec_main("bench", "plain", "--llama-cpp", "--model", str(tiny_models["llama"]), "--max-tokens", "4")
     assert result.returncode == 2 and "GGUF file the target comes from" in result.stderr
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the extra were not installed
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32")
@@ -315,7 +311,7 @@ def test_bench_json_schema_workload(tmp_path):
     assert ngram["acceptance_length"] > 1.2
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    result = specdec("bench", "--json-schema", str(bad))
+    result = specdec_main("bench", "--json-schema", str(bad))
     assert result.returncode == 2 and "--json-schema" in result.stderr
 
 

@@ -1,26 +1,21 @@
-"""The specdec command line, run as a user runs it."""
+"""The specdec command line, run as a user runs it; what it refuses before a model loads
+through its ``main`` in the test's process."""
 
-import os
-import subprocess
-import sys
-
-
-def specdec(*args, input=None):
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
-                          input=input, timeout=600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+from helpers import specdec_cli as specdec
+from helpers import specdec_main
 
 
 def test_config_check_prints_resolved_config_and_fails_on_errors(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("speculative_config: {decoding_type: NGram, max_draft_len: 5}\n")
-    result = specdec("config", "check", str(good))
+    result = specdec_main("config", "check", str(good))
     assert result.returncode == 0, result.stderr
     assert "decoding_type: ngram" in result.stdout and "max_matching_ngram_size: 3" in result.stdout
     assert "max_draft_len: 5" in result.stdout
     assert "# decoding_type ngram from specdec-plugin-ngram 0.1.0" in result.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("speculative_config: {decoding_type: ngram, max_draft_lenn: 5}\n")
-    result = specdec("config", "check", str(bad))
+    result = specdec_main("config", "check", str(bad))
     assert result.returncode == 2
     assert "speculative_config.max_draft_lenn: unknown key (did you mean max_draft_len?)" in result.stderr
     assert "Traceback" not in result.stderr
@@ -54,5 +49,5 @@ def test_errors_are_messages_not_tracebacks(tmp_path):
     result = specdec("generate", "-m", str(tmp_path / "missing"), "hi")
     assert result.returncode == 2 and "no such file or directory" in result.stderr
     assert "Traceback" not in result.stderr
-    result = specdec("generate", "-d", "nosuch", "hi")
+    result = specdec_main("generate", "-d", "nosuch", "hi")
     assert result.returncode == 2 and "unknown decoding type 'nosuch'" in result.stderr

@@ -3,11 +3,11 @@
 import inspect
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+from helpers import specdec_cli
 
 from specdec import LLM, testing
 from specdec.drafting import hookspecs
@@ -18,11 +18,6 @@ METHODS = {"ngram": "specdec-plugin-ngram", "lookahead": "specdec-plugin-lookahe
            "draft_target": "specdec-plugin-draft-target", "medusa": "specdec-plugin-medusa",
            "eagle": "specdec-plugin-eagle", "eagle3": "specdec-plugin-eagle", "mtp": "specdec-plugin-mtp",
            "redrafter": "specdec-plugin-redrafter"}
-
-
-def run_specdec(*args, env=None, input=None):
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, input=input, timeout=600)
 
 
 def test_every_hook_is_documented():
@@ -41,7 +36,7 @@ def test_every_hook_is_documented():
 
 
 def test_plugins_json_lists_every_method_with_its_distribution():
-    result = run_specdec("plugins", "--json")
+    result = specdec_cli("plugins", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     found = {row["name"]: row for row in data["decoding_types"]}
@@ -90,10 +85,10 @@ def test_registered_but_not_implemented_method_fails_clearly(tmp_path):
         def register_decoding_types(register):
             register(DecodingType(name="planned", config_class=PlannedConfig))
         """), "planned", "specdec-plugin-planned")
-    table = run_specdec("plugins", env=env)
+    table = specdec_cli("plugins", env=env)
     assert any(line.startswith("planned") and "not implemented yet" in line for line in table.stdout.splitlines())
     (tmp_path / "no-model").mkdir()
-    result = run_specdec("generate", "-d", "planned", "--model", str(tmp_path / "no-model"), "hi", env=env)
+    result = specdec_cli("generate", "-d", "planned", "--model", str(tmp_path / "no-model"), "hi", env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "decoding type 'planned' (specdec-plugin-planned 0.3) is registered but not implemented yet; choose " \
            "another decoding_type (" in result.stderr
@@ -118,13 +113,13 @@ def test_missing_plugin_names_the_package_to_install(monkeypatch):
 def test_broken_plugin_is_reported_with_its_distribution_and_others_keep_working(tmp_path):
     env = _site_with_plugin(tmp_path, "broken_specdec_plugin", "import not_a_module_that_exists\n", "broken",
                             "specdec-plugin-broken")
-    result = run_specdec("plugins", "--json", env=env)
+    result = specdec_cli("plugins", "--json", env=env)
     assert result.returncode == 0
     data = json.loads(result.stdout)
     assert data["failed"] == [{"plugin": "broken", "distribution": "specdec-plugin-broken",
                                "error": "ModuleNotFoundError: No module named 'not_a_module_that_exists'"}]
     assert "ngram" in {row["name"] for row in data["decoding_types"]}
-    table = run_specdec("plugins", env=env)
+    table = specdec_cli("plugins", env=env)
     assert "FAILED  broken (specdec-plugin-broken)" in table.stdout
     assert "Traceback" not in table.stdout + table.stderr
 
@@ -209,7 +204,7 @@ def test_plugin_registering_the_base_config_class_is_reported(tmp_path):
         def register_decoding_types(register):
             register(DecodingType(name="bare", config_class=SpeculativeConfig))
         """), "bare", "specdec-plugin-bare")
-    data = json.loads(run_specdec("plugins", "--json", env=env).stdout)
+    data = json.loads(specdec_cli("plugins", "--json", env=env).stdout)
     assert data["failed"] == [{"plugin": "bare", "distribution": "specdec-plugin-bare",
                                "error": "PluginError: decoding type 'bare': config_class must be an attrs subclass "
                                         "of specdec.config.SpeculativeConfig (the method's own, even with no "

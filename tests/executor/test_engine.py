@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def references(smol, smol_hf):
-    return {p: reference_greedy(smol_hf, smol.encode(p), GREEDY.max_tokens) for p in PROMPTS}
+    return {p: reference_greedy(smol_hf, smol.encode(p), GREEDY.max_tokens, cached=True) for p in PROMPTS}
 
 
 def assert_greedy_equal(model, llm, prompt, got, want):
