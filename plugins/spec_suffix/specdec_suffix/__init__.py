@@ -13,9 +13,13 @@ continuations, drafted best first, a node scored by the product of its path's fr
 most ``max_spec_factor * match + max_spec_offset`` nodes (a long match is trusted further)
 and no more nodes than the depth the planner chose, as the reference caps a tree by the
 speculative token count (a tree then costs what the chain the planner priced would, and
-holds the likeliest paths); of all these trees, in both tries, the one with the largest
-total score is proposed. A proposal's ``kind`` is its match length (capped at 8), so the
-planner learns how deep each kind pays.
+holds the likeliest paths); of a trie's trees the one with the largest total score is its
+proposal. The request's own proposal is drafted wherever it matched at least
+``min_request_match`` tokens (``source: request_first``): a conversation's own past
+predicts its next tokens better than counts pooled over other requests, whose larger
+totals would otherwise win; elsewhere, and always with ``source: best_score`` (the
+reference's rule), whichever of the two scores more is drafted. A proposal's ``kind`` is
+its match length (capped at 8), so the planner learns how deep each kind pays.
 
 A request whose ``SamplingParams.extra_args`` holds ``{"suffix_cache": False}`` never
 enters the cache (it still drafts from it and from itself). The cache changes which
@@ -31,6 +35,9 @@ Options (defaults in brackets):
         a cached token at the default depth: ``scripts/bench_suffix_cache.py``).
     cache_prompts [false]: whether prompts enter the cache too.
     cache_scope [engine]: ``engine`` or ``process`` (see above).
+    source [request_first]: ``request_first`` or ``best_score`` (see above).
+    min_request_match [3]: the shortest match of the request's own that ``request_first``
+        drafts without comparing it to the cache's.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ class SuffixConfig(SpeculativeConfig):
     cache_prompts: bool = False
     cache_scope: Literal["engine", "process"] = attrs.field(
         default="engine", validator=attrs.validators.in_(("engine", "process")))
+    source: Literal["request_first", "best_score"] = attrs.field(
+        default="request_first", validator=attrs.validators.in_(("request_first", "best_score")))
+    min_request_match: int = attrs.field(default=3, validator=in_range(1, 255))
 
 
 class SuffixCache:
@@ -140,10 +150,11 @@ class SuffixDrafter(Drafter):
     def prepare_draft_tokens(self, requests, draft_lens, max_nodes):
         proposals = []
         for req, depth, nodes in zip(requests, draft_lens, max_nodes):
-            own = self._propose(self._own(req), req.token_ids, depth, nodes)
-            with self.cache.lock:
-                shared = self._propose(self.cache.trie, req.token_ids, depth, nodes)
-            best = max((p for p in (own, shared) if p is not None), default=None, key=lambda p: p[0])
+            best = self._propose(self._own(req), req.token_ids, depth, nodes)
+            if best is None or self.config.source == "best_score" or best[3] < self.config.min_request_match:
+                with self.cache.lock:
+                    shared = self._propose(self.cache.trie, req.token_ids, depth, nodes)
+                best = max((p for p in (best, shared) if p is not None), default=None, key=lambda p: p[0])
             proposals.append(None if best is None else DraftProposal(
                 token_ids=best[1], parents=best[2], kind=min(best[3], LONGEST_KIND)))
         return proposals

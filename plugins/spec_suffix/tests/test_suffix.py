@@ -111,11 +111,25 @@ def test_a_request_drafts_from_itself_and_from_finished_requests_unless_they_opt
     assert proposal.token_ids == [6, 7, 8] and proposal.kind == 2
     # a tree holds no more nodes than the depth the planner chose (the chain it priced)
     assert drafter.prepare_draft_tokens([second], [2], [8])[0].token_ids == [6, 7]
-    own = request([4, 5, 11, 12, 4, 5], prompt_len=6)  # its own "4 5 -> 11 12" beats the cache's
-    assert drafter.prepare_draft_tokens([own], [2], [8])[0].token_ids[:2] in ([11, 12], [6, 7])
     private = SuffixDrafter(config(), target=None)
     private.on_request_finished(request([1, 2, 3, 4, 5, 6], prompt_len=2, extra_args={"suffix_cache": False}))
     assert private.cache.tokens == 0 and private.cache.trie.nodes == 1
+
+
+def test_the_source_rule_chooses_between_the_requests_own_draft_and_the_caches():
+    """The cache holds "3 4 5 -> 6 7" three times (a score of 2.0); the requests' own text
+    "-> 11 12" once after "3 4 5" (a three-token match) or after "4 5" (two), a score of 1.0."""
+    long_match, short_match = [3, 4, 5, 11, 12, 3, 4, 5], [4, 5, 11, 12, 4, 5]
+    for options, want_long, want_short in (({}, [11, 12], [6, 7]),
+                                           ({"min_request_match": 2}, [11, 12], [11, 12]),
+                                           ({"min_request_match": 4}, [6, 7], [6, 7]),
+                                           ({"source": "best_score", "min_request_match": 1}, [6, 7], [6, 7])):
+        drafter = SuffixDrafter(config(**options), target=None)
+        for _ in range(3):
+            drafter.on_request_finished(request([0, 3, 4, 5, 6, 7], prompt_len=1))
+        for tokens, want in ((long_match, want_long), (short_match, want_short), ([9, 4, 5], [6, 7])):
+            got = drafter.prepare_draft_tokens([request(tokens, prompt_len=len(tokens))], [2], [2])[0]
+            assert got.token_ids == want, (options, tokens)
 
 
 def test_a_match_that_occurred_only_where_a_longer_one_did_is_not_drafted_again():
@@ -161,7 +175,8 @@ def test_the_process_scope_shares_one_cache_between_drafters():
 def test_conformance():
     testing.check_registration("suffix", distribution="specdec-plugin-suffix")
     testing.check_config_round_trip({"decoding_type": "suffix", "max_draft_len": 8, "max_spec_factor": 2.0,
-                                     "max_cached_requests": 10, "cache_prompts": True, "cache_scope": "process"})
+                                     "max_cached_requests": 10, "cache_prompts": True, "cache_scope": "process",
+                                     "source": "best_score", "min_request_match": 2})
 
 
 AGENT_TURNS = [
