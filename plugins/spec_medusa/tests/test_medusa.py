@@ -4,14 +4,13 @@ and as a chain; sampled output follows the target's distribution; typical accept
 opt-in and labelled lossy."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 from specdec_medusa import SHIPPED_HEADS
 from specdec_test_support import embedded
 
 from specdec import LLM, SamplingParams
+from specdec.cli import main
 
 PROMPTS = embedded.SHIPPED_CHECK_PROMPTS
 
@@ -32,9 +31,9 @@ def test_sampled_output_follows_the_target(mode):
                                            "max_draft_len": 2, "adaptive": False, **mode}) > 0
 
 
-def test_typical_acceptance_is_opt_in_and_labelled_lossy():
-    listed = json.loads(subprocess.run([sys.executable, "-m", "specdec.cli", "plugins", "--json"],
-                                       capture_output=True, text=True, check=True).stdout)
+def test_typical_acceptance_is_opt_in_and_labelled_lossy(capsys):
+    assert main(["plugins", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
     medusa = next(m for m in listed["decoding_types"] if m["name"] == "medusa")
     assert medusa["lossy_options"] == ["use_typical_acceptance"]
     params = SamplingParams(max_tokens=16, temperature=0.7, seed=0)
