@@ -13,6 +13,7 @@ import torch
 from specdec import LLM, SamplingParams, hookimpl, testing
 from specdec.drafting.interface import DraftProposal
 from specdec.executor.planner import (
+    AcceptanceCalibration,
     AcceptanceSpread,
     AcceptanceStats,
     DraftOption,
@@ -830,3 +831,44 @@ def test_a_lone_decode_that_runs_two_rows_prices_its_first_draft_token_at_no_row
             planner.observe(req, None, 1, int(i % 8 == 0))
         (chosen[min_rows],) = planner.plan([req], [(1, 1)], StepShape([(100, 1)], padded=False))
     assert chosen == {1: (0, 0), 2: (1, 1)}
+
+
+def test_the_calibration_scales_each_position_by_what_the_verified_drafts_brought():
+    calibration = AcceptanceCalibration(forgetting=1.0, min_expected=4.0)
+    assert calibration.apply([0.8, 0.6]) == [0.8, 0.6]  # nothing verified yet: estimates as they are
+    for i in range(10):  # expected 0.8 and 0.48 a draft; the first position reached 6 in 10, the second 3
+        calibration.observe([0.8, 0.48], accepted=2 if i < 3 else 1 if i < 6 else 0)
+    assert calibration.factor(0) == pytest.approx(6 / 8) and calibration.factor(1) == pytest.approx(3 / 4.8)
+    assert calibration.factor(2) == 1.0  # never expected: no evidence either way
+    assert calibration.apply([0.8, 0.48, 0.3]) == pytest.approx([0.6, 0.3, 0.3])
+    for _ in range(100):
+        calibration.observe([0.9], accepted=0)
+    assert calibration.factor(0) == 0.5  # within [low, high]
+    for _ in range(1000):
+        calibration.observe([0.1], accepted=1)
+    assert calibration.factor(0) == 1.0  # an estimate found too low is left as it is
+
+
+def test_the_planner_prices_drafts_by_what_its_verified_drafts_brought():
+    """The drafts the planner verifies were chosen on estimates that erred high more often
+    than low: what the target accepted of them, against what was expected, scales the
+    gains plan() and trim() price (AcceptanceCalibration), fed at every verified draft."""
+    from specdec.executor.planner import StepShape
+
+    costs = FixedCosts(step=1.0, per_token=0.5, per_level=0.0)  # a drafted row pays from 1/3 accepted
+    planner, req = planner_with(costs), request("a")
+    for i in range(60):
+        planner.observe(req, "k", depth=1, accepted=int(i % 5 < 3))
+    assert 0.5 < planner.request_stats(req).rate("k", 0) < 0.7
+    shape = StepShape([(10, 1)], padded=True)
+    draft = [DraftProposal(token_ids=[5], kind="k")]
+    assert planner.plan([req], [(1, 1)], shape) == [(1, 1)]
+    assert planner.trim([req], draft, shape)[0] is not None
+    expected = planner.request_stats(req).curve("k", 1)
+    for _ in range(20):  # drafts it verified were expected to bring 0.6 and brought nothing
+        planner.observe_verified(req, draft[0], accepted_nodes=[])
+    assert planner.calibration.expected[0] > 4 * expected[0] and planner.calibration.reached == [0.0]
+    assert planner.calibration.factor(0) == 0.5  # priced at half the estimate: below a third
+    req = request("b")  # a new request leaning on the same engine-wide estimate
+    assert planner.plan([req], [(1, 1)], shape) == [(0, 0)]
+    assert planner.trim([req], draft, shape)[0] is None

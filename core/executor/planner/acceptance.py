@@ -190,3 +190,51 @@ class AcceptanceSpread:
         if beyond <= chance / (self.high + 1.0):
             return self.high
         return min(max(chance / beyond - 1.0, self.low), self.high)
+
+
+@attrs.define
+class AcceptanceCalibration:
+    """How often the target reaches each draft position of the drafts the planner verifies,
+    against how often the planner expected it to, and the factors that scale its
+    expectations to match.
+
+    The planner verifies a draft where its estimate says the draft pays, so the drafts it
+    verifies are more often those whose estimates erred high than low (the winner's curse:
+    the noisier the estimates, as a request's own few drafts of a kind are, the more); at a
+    batch of several sequences, where an extra row costs nearly what a token earns, the
+    drafts its optimism admits cost more than they bring. For each position ``j``,
+    :meth:`factors` holds the decayed count of verified drafts accepted to ``j`` or further
+    over the decayed sum of their expected ``P(at least j accepted)`` (``forgetting`` per
+    draft), within ``[low, high]``; 1 until ``min_expected`` was expected at the position.
+    ``high`` is 1: an estimate found too low is left as it is (the initial guess of a kind
+    never verified is meant to let drafts be tried)."""
+
+    forgetting: float = 0.99
+    low: float = 0.5
+    high: float = 1.0
+    min_expected: float = 4.0
+    expected: list[float] = attrs.Factory(list)
+    reached: list[float] = attrs.Factory(list)
+
+    def observe(self, gains: list[float], accepted: int) -> None:
+        """A verified draft of ``len(gains)`` levels, whose expected ``P(at least j
+        accepted)`` were ``gains``, had ``accepted`` levels accepted."""
+        f = self.forgetting
+        while len(self.expected) < len(gains):
+            self.expected.append(0.0)
+            self.reached.append(0.0)
+        for j in range(len(self.expected)):
+            self.expected[j] *= f
+            self.reached[j] *= f
+        for j, g in enumerate(gains):
+            self.expected[j] += g
+            self.reached[j] += float(accepted > j)
+
+    def factor(self, position: int) -> float:
+        if position >= len(self.expected) or self.expected[position] < max(self.min_expected, 1e-9):
+            return 1.0
+        return min(max(self.reached[position] / self.expected[position], self.low), self.high)
+
+    def apply(self, gains: list[float]) -> list[float]:
+        """``gains`` (``P(at least j accepted)``) scaled position by position, a new list."""
+        return [min(g * self.factor(j), 1.0) for j, g in enumerate(gains)]

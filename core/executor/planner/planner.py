@@ -6,8 +6,11 @@ step and a draft level cost (:mod:`.cost_model`) and how often each draft positi
 accepted (:mod:`.acceptance`). :mod:`.depth_choice` prices the choices; the planner runs it
 before drafting (drafting time counted) and on the proposals (to trim each to the depth its
 own kind earns). Where a drafter may grow a chain instead of its dynamic tree, each request
-gets whichever pays more by its own estimates. Requests kept from drafting are probed from
-a budget (:mod:`.probe_budget`). Until a few drafts were verified, one request a step
+gets whichever pays more by its own estimates. The gains it prices are scaled, position by
+position, by what the target accepted of the drafts verified against what was expected of
+them (:class:`.acceptance.AcceptanceCalibration`): drafts are verified where their
+estimates are high, so these estimates err high. Requests kept from drafting are probed
+from a budget (:mod:`.probe_budget`). Until a few drafts were verified, one request a step
 verifies its draft, since the batch's acceptance is a guess until then. The runs behind
 these rules: "Speculation that never loses" in the benchmark diary
 (``git show dd80fd5:BENCHMARKS.md``).
@@ -23,7 +26,7 @@ import attrs
 
 from ...config import SpeculativeConfig
 from ...drafting.interface import TREE_KIND, first_child_path
-from .acceptance import AcceptanceSpread, AcceptanceStats
+from .acceptance import AcceptanceCalibration, AcceptanceSpread, AcceptanceStats
 from .cost_model import FixedCosts, StepCostModel
 from .depth_choice import DraftOption, StepLoad, StepShape, attention_work, best_depths
 from .probe_budget import ProbeBudget
@@ -91,6 +94,7 @@ class DraftPlanner:
         self.tree_batch = tree_batch
         self.stats = AcceptanceStats(decay=0.99, prior_weight=2.0)
         self.spread = AcceptanceSpread()
+        self.calibration = AcceptanceCalibration()
         self.aux_tokens = 0.0
         self.requests: dict[str, RequestDraftState] = {}
         self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
@@ -244,12 +248,14 @@ class DraftPlanner:
             hits.append(hit)
             aux = round(self.aux_tokens / hit)
             tree_nodes = [0] + [min(self.nodes_for_depth(j), nodes) + aux for j in range(1, depth + 1)]
+            calibrated = self.calibration.apply
             if self.chain_or_tree and tree_nodes[-1] > depth + aux:
-                candidates.append([DraftOption(stats.curve(TREE_KIND, depth), tree_nodes),
-                                   DraftOption(stats.curve(None, depth), [j + aux for j in range(depth + 1)])])
+                chain_nodes = [j + aux for j in range(depth + 1)]
+                candidates.append([DraftOption(calibrated(stats.curve(TREE_KIND, depth)), tree_nodes),
+                                   DraftOption(calibrated(stats.curve(None, depth)), chain_nodes)])
                 continue
             gains = max((stats.curve(kind, depth) for kind in stats.kinds() or {None}), key=sum)
-            candidates.append([DraftOption(gains, tree_nodes)])
+            candidates.append([DraftOption(calibrated(gains), tree_nodes)])
         mean_hit = sum(hits) / len(hits) if hits else 1.0
         chains = self._chain_or_tree(candidates, shape, mean_hit)
         options = [c[1] if chain else c[0] for c, chain in zip(candidates, chains)]
@@ -328,7 +334,8 @@ class DraftPlanner:
             node_depths = prop.depths()
             nodes = [0] + [sum(d <= j for d in node_depths) + len(prop.aux_token_ids)
                            for j in range(1, prop.depth + 1)]
-            options.append(DraftOption(self.request_stats(req).curve(prop.kind, prop.depth), nodes))
+            options.append(DraftOption(self.calibration.apply(self.request_stats(req).curve(prop.kind, prop.depth)),
+                                       nodes))
         step = self.step_seconds(shape, trees=any(prop is not None and prop.verified_as_tree for prop in proposals))
         depths = self._one_while_cold(best_depths(options, shape.tokens, step), options)
         load = StepLoad(shape.tokens, options, depths)
@@ -398,6 +405,7 @@ class DraftPlanner:
         request's estimate leans on the engine-wide one; drafts of kinds (ngram's and
         suffix's match lengths) already say which drafts are worth what, and their
         requests keep the light prior."""
+        self.calibration.observe(self.request_stats(req).curve(proposal.kind, proposal.depth), len(accepted_nodes))
         self.observe(req, proposal.kind, proposal.depth, len(accepted_nodes))
         if proposal.kind in (None, TREE_KIND) and self.spread.observe(self.state(req).block, bool(accepted_nodes)):
             self._lean_requests(self.spread.prior_weight())
