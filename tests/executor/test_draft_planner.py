@@ -872,3 +872,43 @@ def test_the_planner_prices_drafts_by_what_its_verified_drafts_brought():
     req = request("b")  # a new request leaning on the same engine-wide estimate
     assert planner.plan([req], [(1, 1)], shape) == [(0, 0)]
     assert planner.trim([req], draft, shape)[0] is None
+
+
+def test_a_batch_kept_from_drafting_rests_from_planning_while_its_requests_stay():
+    """plan() runs every step while some request drafts; once it keeps the whole batch from
+    drafting, the same requests go REST_STEPS - 1 steps without it (nothing it planned on
+    changes without verified drafts), counted as speculation off; a request joining or
+    leaving ends the rest."""
+    from specdec.executor.planner import REST_STEPS, StepShape
+
+    class Counting(DraftPlanner):
+        calls = 0
+
+        def plan(self, reqs, caps, shape):
+            Counting.calls += 1
+            return super().plan(reqs, caps, shape)
+
+    dear = FixedCosts(step=1.0, per_token=2.0, per_level=0.0)  # a drafted row costs two steps
+    planner = Counting(nodes_for_depth=lambda depth: depth, probe_interval=1000, costs=dear,
+                       shape_for_batch=lambda batch_size: (4, 4))
+    reqs = [request(f"r{i}") for i in range(3)]
+    for req in reqs:
+        for _ in range(10):
+            planner.observe(req, None, depth=2, accepted=0)  # first positions accepted about one in ten
+    shape = StepShape([(10, 1)] * 3, padded=False)
+
+    def step(batch):
+        return planner.shapes(batch, [4] * len(batch), len(batch), 1000, shape)
+
+    steps = 2 * REST_STEPS - 1  # planned twice, the second rest not over
+    assert [step(reqs) for _ in range(steps)] == [[(0, 0)] * 3] * steps
+    assert Counting.calls == 2 and all(r.metrics.num_steps_speculation_off == steps for r in reqs)
+    step(reqs[:2])  # one left: planned again
+    assert Counting.calls == 3
+    planner.costs = FixedCosts(step=1.0, per_token=0.0, per_level=0.0)  # rows now free
+    assert step(reqs[:2]) == [(0, 0)] * 2 and Counting.calls == 3  # still resting
+    while Counting.calls == 3:
+        drafted = step(reqs[:2])
+    assert all(d > 0 for d, _ in drafted) and Counting.calls == 4  # planned again after the rest: drafts pay
+    step(reqs[:2])
+    assert Counting.calls == 5  # drafting: planned every step

@@ -10,7 +10,9 @@ gets whichever pays more by its own estimates. The gains it prices are scaled, p
 position, by what the target accepted of the drafts verified against what was expected of
 them (:class:`.acceptance.AcceptanceCalibration`): drafts are verified where their
 estimates are high, so these estimates err high. Requests kept from drafting are probed
-from a budget (:mod:`.probe_budget`). Until a few drafts were verified, one request a step
+from a budget (:mod:`.probe_budget`); a batch kept entirely from drafting goes a few steps
+without planning (:data:`REST_STEPS`), since its estimates change only with verified
+drafts. Until a few drafts were verified, one request a step
 verifies its draft, since the batch's acceptance is a guess until then. The runs behind
 these rules: "Speculation that never loses" in the benchmark diary
 (``git show dd80fd5:BENCHMARKS.md``).
@@ -34,6 +36,10 @@ from .probe_budget import ProbeBudget
 #: drafts the engine verifies, one request a step, before a batch verifies drafts on the
 #: acceptance it guesses
 COLD_START_DRAFTS = 4
+
+#: steps a batch that plan() kept entirely from drafting goes without planning, while its
+#: requests stay the same: its estimates change only when drafts are verified
+REST_STEPS = 4
 
 
 @attrs.define
@@ -98,6 +104,8 @@ class DraftPlanner:
         self.aux_tokens = 0.0
         self.requests: dict[str, RequestDraftState] = {}
         self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
+        self.rest_steps = REST_STEPS
+        self._rest: tuple[tuple[str, ...], int] | None = None  # (requests, steps left) of a batch kept from drafting
         self.num_verified = 0  # drafts verified since the engine started
         self.num_warm_ups = 0
         #: how many observations the engine-wide estimate weighs as in a request's own
@@ -136,7 +144,7 @@ class DraftPlanner:
         """The (depth, nodes) to ask each request's drafter for: the configured shape for
         ``batch_size`` within the scheduler's allowance and the room left in the request
         and the context, none while the request is paused, then, if adaptive, the depth
-        that pays (:meth:`plan`)."""
+        that pays (:meth:`plan`), none while the batch rests from planning (:meth:`_resting`)."""
         depth, nodes = self.shape_for_batch(batch_size)
         caps = []
         for req, allowance in zip(reqs, allowances):
@@ -144,7 +152,30 @@ class DraftPlanner:
                        max_model_len - len(req.token_ids)) - 1
             d = 0 if self._paused(req) else max(0, min(depth, room, allowance))
             caps.append((d, min(nodes, allowance) if d else 0))
-        return self.plan(reqs, caps, shape) if self.adaptive else caps
+        if not self.adaptive:
+            return caps
+        if self._resting(reqs):
+            for req, (d, _) in zip(reqs, caps):
+                if d:
+                    req.metrics.num_steps_speculation_off += 1
+            return [(0, 0)] * len(reqs)
+        planned = self.plan(reqs, caps, shape)
+        if any(d for d, _ in caps) and not any(d for d, _ in planned):
+            self._rest = (tuple(req.request_id for req in reqs), self.rest_steps - 1)
+        return planned
+
+    def _resting(self, reqs: list) -> bool:
+        """Whether this step's batch rests from planning (:data:`REST_STEPS`): plan() kept
+        the same requests from drafting (probes included) a step or more ago. Nothing it
+        planned on changes meanwhile but the step's shape; a probe due waits a few steps."""
+        if self._rest is None:
+            return False
+        ids, left = self._rest
+        if left <= 0 or ids != tuple(req.request_id for req in reqs):
+            self._rest = None
+            return False
+        self._rest = (ids, left - 1)
+        return True
 
     def _paused(self, req) -> bool:
         return self.pause is not None and req.metrics.num_steps < self.state(req).paused_until
