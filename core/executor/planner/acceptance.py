@@ -203,7 +203,7 @@ class AcceptanceCalibration:
     the noisier the estimates, as a request's own few drafts of a kind are, the more); at a
     batch of several sequences, where an extra row costs nearly what a token earns, the
     drafts its optimism admits cost more than they bring. For each position ``j``,
-    :meth:`factors` holds the decayed count of verified drafts accepted to ``j`` or further
+    :meth:`factor` is the decayed count of verified drafts accepted to ``j`` or further
     over the decayed sum of their expected ``P(at least j accepted)`` (``forgetting`` per
     draft), within ``[low, high]``; 1 until ``min_expected`` was expected at the position.
     ``high`` is 1: an estimate found too low is left as it is (the initial guess of a kind
