@@ -272,6 +272,7 @@ class DraftPlanner:
         (:meth:`_chain_or_tree`). A request due for a probe is asked for one level (a
         chain, where one may be asked for)."""
         candidates, hits = [], []
+        calibrated = self.calibration.apply
         self._probing = set()
         for req, (depth, nodes) in zip(reqs, caps):
             stats = self.request_stats(req)
@@ -279,7 +280,6 @@ class DraftPlanner:
             hits.append(hit)
             aux = round(self.aux_tokens / hit)
             tree_nodes = [0] + [min(self.nodes_for_depth(j), nodes) + aux for j in range(1, depth + 1)]
-            calibrated = self.calibration.apply
             if self.chain_or_tree and tree_nodes[-1] > depth + aux:
                 chain_nodes = [j + aux for j in range(depth + 1)]
                 candidates.append([DraftOption(calibrated(stats.curve(TREE_KIND, depth)), tree_nodes),
