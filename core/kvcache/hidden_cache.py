@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from .zeroed import zeroed
+
 
 class HiddenStateCache:
     """Hidden states of the captured target layers, ``[num_blocks * block_size, hidden]`` each."""
 
     def __init__(self, layers: list[int], num_slots: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device):
-        self.states = {layer: torch.zeros(num_slots, hidden_size, dtype=dtype, device=device) for layer in layers}
+        self.states = {layer: zeroed((num_slots, hidden_size), dtype, device) for layer in layers}
 
     @staticmethod
     def bytes_per_token(num_layers: int, hidden_size: int, dtype: torch.dtype) -> int:

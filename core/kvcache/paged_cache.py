@@ -6,6 +6,7 @@ import torch
 
 from ..kernels import copy_kv_slots
 from .window_blocks import WindowBlocks
+from .zeroed import zeroed
 
 
 class PagedKVCache:
@@ -32,8 +33,8 @@ class PagedKVCache:
                                            max(w for w in windows if w is not None)) if any(self.windowed) else None)
         window_slots = (num_window_blocks + 1) * block_size
         sizes = [window_slots if windowed else self.scratch_slot + 1 for windowed in self.windowed]
-        self.keys = [torch.zeros(n, h, dk, dtype=dtype, device=device) for n, (h, dk, _) in zip(sizes, layer_shapes)]
-        self.values = [torch.zeros(n, h, dv, dtype=dtype, device=device) for n, (h, _, dv) in zip(sizes, layer_shapes)]
+        self.keys = [zeroed((n, h, dk), dtype, device) for n, (h, dk, _) in zip(sizes, layer_shapes)]
+        self.values = [zeroed((n, h, dv), dtype, device) for n, (h, _, dv) in zip(sizes, layer_shapes)]
 
     @staticmethod
     def bytes_per_token(layer_shapes: list[tuple[int, int, int]], dtype: torch.dtype) -> int:

@@ -106,3 +106,38 @@ def test_compaction_moves_kv_rows():
     kv.move([slots[5], slots[3]], [slots[1], slots[2]], torch.device("cpu"))
     assert kv.cache.keys[0][slots[1]].flatten().tolist() == [5.0, 5.0]
     assert kv.cache.values[0][slots[2]].flatten().tolist() == [-3.0, -3.0]
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_cpu_pool_takes_memory_only_where_written_and_gives_it_back():
+    """Pools of 3 GiB of zeros cost no resident memory until used: writing a block commits
+    about that block, and dropping the pools hands their pages back."""
+    import gc
+
+    from specdec.kvcache import HiddenStateCache
+
+    mib = 1 << 20
+    gc.collect()
+    before = _resident_bytes()
+    cache = PagedKVCache([(4, 64, 64)] * 16, 4096, 64, torch.float32, torch.device("cpu"))  # 1 GiB
+    states = HiddenStateCache([0, -1], 4096 * 64, 1024, torch.float32, torch.device("cpu"))  # 2 GiB
+    assert _resident_bytes() - before < 32 * mib
+    assert not any(t[::4096].any() for t in cache.keys + cache.values + list(states.states.values()))
+    slots = torch.arange(64, 128)
+    cache.keys[3][slots] = 1.0
+    states.write(slots, {0: torch.ones(64, 1024), -1: torch.ones(64, 1024)})
+    assert cache.keys[3][slots].all() and not cache.keys[3][:64].any() and states.read(slots)[-1].all()
+    assert _resident_bytes() - before < 96 * mib
+    for t in cache.keys + cache.values:
+        t.fill_(2.0)
+    assert _resident_bytes() - before > 900 * mib
+    del cache, states, t
+    gc.collect()
+    assert _resident_bytes() - before < 96 * mib
