@@ -22,6 +22,7 @@ types and architectures are quantized from the weights transformers loaded.
 
 from __future__ import annotations
 
+import functools
 import struct
 from pathlib import Path
 
@@ -196,11 +197,18 @@ def _linear_tensor(name: str) -> tuple[int, str] | None:
 
 def linear_schemes(gguf: Path) -> set[str]:
     """The GGML types of a llama or Gemma 3 file's linear layers (``blk.N.attn_q`` ...
-    ``ffn_down``); empty for another architecture."""
-    arch, tensors = _read_tensor_table(gguf)
+    ``ffn_down``); empty for another architecture. Read once per version of the file: every
+    ``LLM`` of a GGUF model asks, and its tensor table takes a tenth of a second to read."""
+    stat = Path(gguf).stat()
+    return set(_linear_schemes(str(gguf), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _linear_schemes(path: str, mtime_ns: int, size: int) -> frozenset[str]:
+    arch, tensors = _read_tensor_table(Path(path))
     if arch not in _ARCHITECTURES:
-        return set()
-    return {_TYPE_NAMES.get(kind, f"type {kind}") for name, _, kind, _ in tensors if _linear_tensor(name)}
+        return frozenset()
+    return frozenset(_TYPE_NAMES.get(kind, f"type {kind}") for name, _, kind, _ in tensors if _linear_tensor(name))
 
 
 def quantized_layers(gguf: Path, config, dtype: torch.dtype, mode: str = "int4") -> dict[str, torch.nn.Module]:

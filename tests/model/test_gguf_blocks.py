@@ -75,6 +75,23 @@ def k_quant_file(tmp_path_factory):
     return path, raws
 
 
+def test_a_files_schemes_are_read_again_when_it_is_rewritten(tmp_path):
+    """:func:`linear_schemes` is kept per version of a file: the same path written anew
+    with other blocks is read anew."""
+    path = tmp_path / "one-layer.gguf"
+    for kind in ("Q4_K", "Q8_0", "Q4_K"):
+        ggml_type = next(t for t, (n, _, _) in _BLOCK_TYPES.items() if n == kind)
+        raw = _random_blocks(kind, 64, 256 // _BLOCK_TYPES[ggml_type][2], seed=0)
+        writer = gguf.GGUFWriter(str(path), "gemma3")
+        writer.add_tensor("blk.0.ffn_down.weight", raw, raw_shape=raw.shape,
+                          raw_dtype=gguf.GGMLQuantizationType(ggml_type))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert linear_schemes(path) == {kind}
+
+
 @pytest.mark.skipif(not int8_dot.kernel_available(), reason="the integer-dot kernels are not built here")
 def test_a_gemma3_files_k_quant_blocks_become_integer_dot_layers_as_they_are(k_quant_file):
     from types import SimpleNamespace
