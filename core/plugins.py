@@ -222,9 +222,12 @@ def get_registry() -> PluginRegistry:
 
 
 def reset_registry() -> None:
-    """Forget the loaded plugins (after changing ``SPECDEC_PLUGINS`` or installing one)."""
+    """Forget the loaded plugins (after changing ``SPECDEC_PLUGINS`` or installing one),
+    and the entry points stevedore keeps per group for the life of the process: a plugin
+    installed since is found."""
     global _registry
     _registry = None
+    ExtensionManager.ENTRY_POINT_CACHE.pop(ENTRY_POINT_GROUP, None)
 
 
 class CoreTreeHooks:

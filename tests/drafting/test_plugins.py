@@ -1,13 +1,14 @@
 """Plugins found through real entry points; hook documentation; failures reported by distribution."""
 
+import contextlib
+import importlib
 import inspect
 import json
-import os
 import sys
 import textwrap
 
 import pytest
-from helpers import specdec_cli
+from helpers import specdec_main
 
 from specdec import LLM, testing
 from specdec.drafting import hookspecs
@@ -36,7 +37,7 @@ def test_every_hook_is_documented():
 
 
 def test_plugins_json_lists_every_method_with_its_distribution():
-    result = specdec_cli("plugins", "--json")
+    result = specdec_main("plugins", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     found = {row["name"]: row for row in data["decoding_types"]}
@@ -53,9 +54,10 @@ def test_each_plugin_registers_through_its_entry_point(name):
     testing.check_registration(name, distribution=METHODS[name])
 
 
-def _site_with_plugin(tmp_path, module: str, source: str, entry: str, dist: str) -> dict:
-    """A directory holding a plugin module and its distribution's entry point: the
-    environment that puts it on the path of a ``specdec`` process."""
+@contextlib.contextmanager
+def _plugin_installed(tmp_path, module: str, source: str, entry: str, dist: str):
+    """A plugin module and its distribution's entry point in a directory on this process's
+    path, the registry loaded anew to find them; both undone on leaving."""
     site = tmp_path / "site"
     site.mkdir()
     (site / f"{module}.py").write_text(source)
@@ -63,7 +65,15 @@ def _site_with_plugin(tmp_path, module: str, source: str, entry: str, dist: str)
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3\n")
     (info / "entry_points.txt").write_text(f"[specdec.plugins]\n{entry} = {module}\n")
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    reset_registry()
+    try:
+        yield
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop(module, None)
+        reset_registry()
 
 
 def test_registered_but_not_implemented_method_fails_clearly(tmp_path):
@@ -71,7 +81,7 @@ def test_registered_but_not_implemented_method_fails_clearly(tmp_path):
     naming the plugin and the methods that work, never a fallback to plain decoding, and
     it comes before any model is read (here an empty model directory, whose own error
     would come first otherwise)."""
-    env = _site_with_plugin(tmp_path, "planned_specdec_plugin", textwrap.dedent("""
+    with _plugin_installed(tmp_path, "planned_specdec_plugin", textwrap.dedent("""
         import attrs
 
         from specdec import DecodingType, hookimpl
@@ -84,11 +94,11 @@ def test_registered_but_not_implemented_method_fails_clearly(tmp_path):
         @hookimpl
         def register_decoding_types(register):
             register(DecodingType(name="planned", config_class=PlannedConfig))
-        """), "planned", "specdec-plugin-planned")
-    table = specdec_cli("plugins", env=env)
+        """), "planned", "specdec-plugin-planned"):
+        table = specdec_main("plugins")
+        (tmp_path / "no-model").mkdir()
+        result = specdec_main("generate", "-d", "planned", "--model", str(tmp_path / "no-model"), "hi")
     assert any(line.startswith("planned") and "not implemented yet" in line for line in table.stdout.splitlines())
-    (tmp_path / "no-model").mkdir()
-    result = specdec_cli("generate", "-d", "planned", "--model", str(tmp_path / "no-model"), "hi", env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "decoding type 'planned' (specdec-plugin-planned 0.3) is registered but not implemented yet; choose " \
            "another decoding_type (" in result.stderr
@@ -111,15 +121,15 @@ def test_missing_plugin_names_the_package_to_install(monkeypatch):
 
 
 def test_broken_plugin_is_reported_with_its_distribution_and_others_keep_working(tmp_path):
-    env = _site_with_plugin(tmp_path, "broken_specdec_plugin", "import not_a_module_that_exists\n", "broken",
-                            "specdec-plugin-broken")
-    result = specdec_cli("plugins", "--json", env=env)
+    with _plugin_installed(tmp_path, "broken_specdec_plugin", "import not_a_module_that_exists\n", "broken",
+                           "specdec-plugin-broken"):
+        result = specdec_main("plugins", "--json")
+        table = specdec_main("plugins")
     assert result.returncode == 0
     data = json.loads(result.stdout)
     assert data["failed"] == [{"plugin": "broken", "distribution": "specdec-plugin-broken",
                                "error": "ModuleNotFoundError: No module named 'not_a_module_that_exists'"}]
     assert "ngram" in {row["name"] for row in data["decoding_types"]}
-    table = specdec_cli("plugins", env=env)
     assert "FAILED  broken (specdec-plugin-broken)" in table.stdout
     assert "Traceback" not in table.stdout + table.stderr
 
@@ -196,15 +206,15 @@ def test_user_decoding_type_takes_a_class_or_an_instance_in_python(tmp_path):
 
 
 def test_plugin_registering_the_base_config_class_is_reported(tmp_path):
-    env = _site_with_plugin(tmp_path, "bare_specdec_plugin", textwrap.dedent("""
+    with _plugin_installed(tmp_path, "bare_specdec_plugin", textwrap.dedent("""
         from specdec import DecodingType, hookimpl
         from specdec.config import SpeculativeConfig
 
         @hookimpl
         def register_decoding_types(register):
             register(DecodingType(name="bare", config_class=SpeculativeConfig))
-        """), "bare", "specdec-plugin-bare")
-    data = json.loads(specdec_cli("plugins", "--json", env=env).stdout)
+        """), "bare", "specdec-plugin-bare"):
+        data = json.loads(specdec_main("plugins", "--json").stdout)
     assert data["failed"] == [{"plugin": "bare", "distribution": "specdec-plugin-bare",
                                "error": "PluginError: decoding type 'bare': config_class must be an attrs subclass "
                                         "of specdec.config.SpeculativeConfig (the method's own, even with no "
