@@ -20,23 +20,6 @@ DEFAULT_TARGET_FILES = frozenset({
     "tests/executor/test_engine.py", "tests/executor/test_prefix_cache.py", "tests/model/test_quantization.py",
     *(f"plugins/spec_{name}/tests/test_{name}.py" for name in (
         "draft_target", "eagle", "lookahead", "medusa", "mtp", "ngram", "redrafter", "suffix"))})
-DEFAULT_TARGET_GROUP = "the default target's files"
-
-
-#: seconds a file's tests took in a fresh clone's ``.ci/run`` on CI's 2-core machine (junit,
-#: files of 15 s or more); the scheduler starts the longest first
-FILE_SECONDS = {
-    "tests/model/test_compile.py": 117, "tests/parallel/test_parallel.py": 104,
-    "tests/numerics/test_batch_invariant.py": 102, "tests/serving/test_server.py": 101,
-    "tests/executor/test_long_context.py": 68, "tests/test_training.py": 59,
-    "tests/parallel/test_parallel_embedded.py": 44, "tests/test_bench.py": 43, "tests/serving/test_soak.py": 38,
-    "tests/test_cli.py": 37, "tests/sampler/test_sampler.py": 32, "tests/parallel/test_parallel_serving.py": 32,
-    "plugins/spec_eagle/tests/test_eagle_train.py": 25, "plugins/spec_draft_target/tests/test_train.py": 25,
-    "tests/sampler/test_structured_output.py": 22, "plugins/spec_mtp/tests/test_mtp_train.py": 21,
-    "tests/kvcache/test_window_blocks.py": 18, "tests/drafting/test_draft_runner.py": 18,
-    "tests/executor/test_seeded_sampling.py": 18, "tests/serving/test_async_engine.py": 16,
-    "plugins/spec_medusa/tests/test_medusa_train.py": 16, "plugins/spec_redrafter/tests/test_redrafter_train.py": 15,
-}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -44,29 +27,17 @@ def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadfile`` (CI's command) a file's tests run on one worker, and the
     :data:`DEFAULT_TARGET_FILES` on one worker together: it compiles the target's and the
     drafters' graphs once for all of them, where each worker would compile them (a minute
-    or more a graph with torch's caches empty). A free worker takes the longest file left
-    (:data:`FILE_SECONDS`; a second a test for the others): xdist's own order, by number of
-    tests, left files of one long test to the end, where one worker ran them and the other
-    had nothing left to run."""
+    or more a graph with torch's caches empty)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class LongestFirst(LoadFileScheduling):
+    class DefaultTargetTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return DEFAULT_TARGET_GROUP if path in DEFAULT_TARGET_FILES else path
+            return "the default target's files" if path in DEFAULT_TARGET_FILES else path
 
-        def _assign_work_unit(self, node) -> None:
-            def seconds(scope: str) -> float:
-                if scope == DEFAULT_TARGET_GROUP:
-                    return float("inf")
-                return FILE_SECONDS.get(scope, len(self.workqueue[scope]))
-
-            self.workqueue.move_to_end(max(self.workqueue, key=seconds), last=False)
-            super()._assign_work_unit(node)
-
-    return LongestFirst(config, log)
+    return DefaultTargetTogether(config, log)
 
 
 @pytest.fixture(scope="session")
