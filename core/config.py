@@ -224,7 +224,8 @@ class EngineConfig:
             sliding-window layers get pools of their own besides, a few windows per request
             (``specdec.kvcache.window_blocks``; where those would not be smaller, one pool).
         kv_cache_memory_fraction: else, this share of the device's free memory (after loading).
-        kv_cache_memory_mb: else, this many MiB.
+        kv_cache_memory_mb: else, this many MiB. On a CPU the pool is an anonymous memory
+            map: the OS commits its pages as the cache fills (``specdec.kvcache.zeroed``).
         max_model_len: context length limit; defaults to the model's own.
         enable_prefix_caching: share KV blocks of identical prompt prefixes across requests.
             Under a drafter that reads every prompt token's hidden states (EAGLE, MTP) the
