@@ -2,8 +2,8 @@
 
 A pool is sized for the longest and widest batches an engine may ever serve (a GiB by
 default), and most of it is never written by most processes. ``torch.zeros`` writes every
-byte at once: on a CPU that cost an engine's start about a second per GiB and kept the
-whole pool resident from the first step. An anonymous memory map is zero by definition
+byte at once: each engine's start paid for the whole pool and kept it resident from the
+first step. An anonymous memory map is zero by definition
 and takes memory only where written, so the pool costs what its requests use. Devices
 other than the CPU allocate with ``torch.zeros``: their memset is fast and their memory
 is reserved anyway.

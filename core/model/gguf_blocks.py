@@ -198,7 +198,7 @@ def _linear_tensor(name: str) -> tuple[int, str] | None:
 def linear_schemes(gguf: Path) -> set[str]:
     """The GGML types of a llama or Gemma 3 file's linear layers (``blk.N.attn_q`` ...
     ``ffn_down``); empty for another architecture. Read once per version of the file: every
-    ``LLM`` of a GGUF model asks, and its tensor table takes a tenth of a second to read."""
+    ``LLM`` of a GGUF model asks, and reading walks the header of every tensor."""
     stat = Path(gguf).stat()
     return set(_linear_schemes(str(gguf), stat.st_mtime_ns, stat.st_size))
 
