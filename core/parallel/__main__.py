@@ -1,6 +1,7 @@
-"""``python -m specdec.parallel``: a worker rank started by rank 0 (:func:`.worker.main`)."""
+"""``python -m specdec.parallel``: the launcher rank 0 forks its workers from (:mod:`.launch`)."""
 
 from ..process_exit import exit_now
-from .worker import main
+from .launch import serve
 
-exit_now(main())
+serve()
+exit_now(0)

@@ -1,33 +1,30 @@
 """The tensor-parallel group: processes, process groups, the wire from rank 0, faults.
 
 Rank 0 owns everything but a shard of the target: the API, scheduling, drafting, acceptance.
-On one machine it starts ranks ``1 .. N-1`` itself (``python -m specdec.parallel``,
-killed with it); under ``torchrun`` every rank runs the user's program and ranks other than 0
-turn into workers inside ``LLM()``. Two process groups: the target's own collectives (NCCL on
-GPUs, gloo on CPUs) and a gloo group on which rank 0 sends its operations
-(:mod:`.messages`), both with ``engine.distributed_timeout_s`` on every collective. Liveness
-is not asked on that wire: a rank busy with a long operation cannot take a message, yet it
-is alive. Each rank's watch thread ticks a counter in the group's store and reads its peers';
-a worker whose counter stands still for the timeout (it died or was stopped) turns every
-later call into a :class:`WorkerError` naming it, and a worker whose rank 0 stands still
-exits. A waiting worker waits as long as rank 0 lives.
+On one machine it starts ranks ``1 .. N-1`` itself (forks of a process that imported the
+worker once, killed with it: :mod:`.launch`); under ``torchrun`` every rank runs the user's
+program and ranks other than 0 turn into workers inside ``LLM()``. Two process groups: the
+target's own collectives (NCCL on GPUs, gloo on CPUs) and a gloo group on which rank 0 sends
+its operations (:mod:`.messages`), both with ``engine.distributed_timeout_s`` on every
+collective. Liveness is not asked on that wire: a rank busy with a long operation cannot
+take a message, yet it is alive. Each rank's watch thread ticks a counter in the group's
+store and reads its peers'; a worker whose counter stands still for the timeout (it died or
+was stopped) turns every later call into a :class:`WorkerError` naming it, and a worker
+whose rank 0 stands still exits. A waiting worker waits as long as rank 0 lives.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import datetime
 import itertools
 import json
 import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, SpecdecError
+from .launch import WorkerProcess, start_worker
 from .messages import Fingerprint, Shutdown
 
 log = logging.getLogger(__name__)
@@ -85,12 +83,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In a started worker: the kernel kills it when rank 0 exits, however rank 0 exits."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _plugins() -> tuple[str, ...]:
     return tuple(sorted(f"{ep.name}={ep.value}" for ep in entry_points(group="specdec.plugins")))
 
@@ -99,7 +91,7 @@ class TensorParallelGroup:
     """This process's place in the group. Rank 0 calls :meth:`send`; workers :meth:`receive`."""
 
     def __init__(self, rank: int, size: int, device: torch.device, timeout_s: float,
-                 workers: list[subprocess.Popen] | None = None):
+                 workers: list[WorkerProcess] | None = None):
         self.rank = rank
         self.size = size
         self.device = device
@@ -164,7 +156,7 @@ class TensorParallelGroup:
         return group
 
     @staticmethod
-    def _launch_workers(config: dict, size: int, port: int) -> tuple[list[subprocess.Popen], str]:
+    def _launch_workers(config: dict, size: int, port: int) -> tuple[list[WorkerProcess], str]:
         """Ranks ``1 .. size-1`` on this machine, and the file their configuration is in."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="specdec-tp-", delete=False) as f:
             json.dump(config, f)
@@ -174,8 +166,13 @@ class TensorParallelGroup:
                        MASTER_PORT=str(port), **{CONFIG_ENV: f.name})
             for name in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
                 env.pop(name, None)
-            workers.append(subprocess.Popen([sys.executable, "-m", "specdec.parallel"], env=env,
-                                            preexec_fn=_die_with_parent))
+            try:
+                workers.append(start_worker(env))
+            except (OSError, ChildProcessError) as exc:
+                for worker in workers:
+                    worker.kill()
+                os.unlink(f.name)
+                raise WorkerError(f"could not start tensor-parallel rank {rank}: {exc}") from exc
         return workers, f.name
 
     def _init(self, address: str, port: int, config) -> None:

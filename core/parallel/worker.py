@@ -1,8 +1,8 @@
 """A worker rank: it holds a shard of the target and of the KV cache, and runs what rank 0
 sends (:mod:`.messages`) until rank 0 says stop or is gone.
 
-Started by rank 0 as ``python -m specdec.parallel`` (the configuration in the file
-named by ``SPECDEC_TP_CONFIG``), or inside ``LLM()`` on a rank other than 0 under torchrun.
+Started by rank 0 (:mod:`.launch`; the configuration in the file named by
+``SPECDEC_TP_CONFIG``), or inside ``LLM()`` on a rank other than 0 under torchrun.
 """
 
 from __future__ import annotations

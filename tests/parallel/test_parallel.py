@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +104,33 @@ def test_a_worker_that_dies_or_hangs_fails_requests_with_its_rank_and_leaves_no_
         llm.generate([[1, 2, 3]], GREEDY)
     llm.close()
     assert worker.poll() is not None
+
+
+def test_workers_are_forks_of_one_launcher_and_die_with_it(tmp_path):
+    """Rank 0 forks the workers of every group it starts from one launcher process, which
+    imported them once; a killed launcher takes its workers with it (the group fails naming
+    the rank), and the next group starts a launcher of its own."""
+    model = str(tiny_model_dir(tmp_path, "llama"))
+    prompts = repeating_prompts()
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    with LLM(model, dtype="float32", tensor_parallel_size=2, engine=ONE_THREAD) as first:
+        worker = first.group.workers[0]
+        launcher = parent(worker.pid)
+        assert Path(f"/proc/{worker.pid}/comm").read_text().strip() == "specdec-rank1"
+        expected = [o.token_ids for o in first.generate(prompts, GREEDY)]
+    assert worker.poll() == 0
+    llm = LLM(model, dtype="float32", tensor_parallel_size=2, engine={**ONE_THREAD, "distributed_timeout_s": 4})
+    assert parent(llm.group.workers[0].pid) == launcher != os.getpid()
+    os.kill(launcher, signal.SIGKILL)
+    with pytest.raises(WorkerError, match="rank 1 .*killed by signal 9"):
+        llm.generate(prompts, GREEDY)
+    llm.close()
+    with LLM(model, dtype="float32", tensor_parallel_size=2, engine=ONE_THREAD) as again:
+        assert parent(again.group.workers[0].pid) not in (launcher, os.getpid())
+        assert [o.token_ids for o in again.generate(prompts, GREEDY)] == expected
 
 
 SLOW_LOADING_RANK = """

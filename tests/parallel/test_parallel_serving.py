@@ -53,8 +53,11 @@ def test_the_server_under_tensor_parallelism_answers_and_reports_a_dead_worker(t
         server = next(p for p in child_processes(os.getpid())
                       if f"--port\0{port}\0" in Path(f"/proc/{p}/cmdline").read_text())
         (engine,) = [p for p in child_processes(server) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-        workers = child_processes(engine)  # the engine process leads the group
-        assert len(workers) == 1
+        # the engine process leads the group; its workers are forks of its launcher
+        (launcher,) = [p for p in child_processes(engine)
+                       if "specdec.parallel" in Path(f"/proc/{p}/cmdline").read_text()]
+        workers = child_processes(launcher)
+        assert [Path(f"/proc/{p}/comm").read_text().strip() for p in workers] == ["specdec-rank1"]
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + 30
         while httpx.get(f"{base}/health").status_code != 503:  # the idle server's watch finds it
