@@ -122,9 +122,24 @@ def build(llm, count: int, seed: int, batch: int, min_words: int, max_words: int
     return out[:count]
 
 
-def main() -> None:
+def write_requests(out: str, count: int, seed: int, batch: int, min_words: int = 4, max_words: int = 80,
+                   avoid: list[str] = ()) -> None:
+    """``count`` requests the embedded model writes (``seed``, ``batch`` at a time), less those
+    on a benchmark prompt's topic, into the JSONL file ``out``; ``avoid``: prompt files whose
+    requests count as repeats."""
     from specdec import LLM
 
+    known = {" ".join(words(json.loads(line)["prompt"])) for path in avoid for line in open(path) if line.strip()}
+    llm = LLM(dtype="bfloat16", engine={"max_batch_size": batch})
+    drawn = build(llm, count, seed, batch, min_words, max_words, known)
+    rows = off_topic(drawn, benchmark_texts())
+    with open(out, "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    print(f"{len(rows)} prompts -> {out} ({len(drawn) - len(rows)} dropped on a benchmark prompt's topic)")
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="train_prompts/self_instruct.jsonl")
     parser.add_argument("--count", type=int, default=2400)
@@ -135,14 +150,7 @@ def main() -> None:
     parser.add_argument("--avoid", nargs="*", default=[], metavar="FILE",
                         help="prompt files whose requests count as repeats (to grow a set with another seed)")
     args = parser.parse_args()
-    known = {" ".join(words(json.loads(line)["prompt"])) for path in args.avoid for line in open(path) if line.strip()}
-    llm = LLM(dtype="bfloat16", engine={"max_batch_size": args.batch})
-    drawn = build(llm, args.count, args.seed, args.batch, args.min_words, args.max_words, known)
-    rows = off_topic(drawn, benchmark_texts())
-    with open(args.out, "w") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
-    print(f"{len(rows)} prompts -> {args.out} ({len(drawn) - len(rows)} dropped on a benchmark prompt's topic)")
+    write_requests(args.out, args.count, args.seed, args.batch, args.min_words, args.max_words, args.avoid)
 
 
 if __name__ == "__main__":

@@ -31,10 +31,12 @@ import argparse
 import json
 import random
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from make_self_instruct_prompts import write_requests  # scripts/, beside this one
+from store_int8 import store_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,9 +80,7 @@ def write_prompts(run: Path, scale: dict, seed: int, public: list[str]) -> Path:
         return data
     written = run / "self_instruct.jsonl"
     if not written.exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts/make_self_instruct_prompts.py"), "--out", str(written),
-                        "--count", str(scale["self_instruct"]), "--seed", str(seed),
-                        "--batch", str(scale["generation_batch"])], check=True)
+        write_requests(str(written), scale["self_instruct"], seed, scale["generation_batch"])
     lines = []
     for name in scale["prompt_files"]:
         rows = [line for line in (ROOT / name).read_text().splitlines() if line.strip()]
@@ -161,8 +161,7 @@ def main() -> None:
         shutil.rmtree(weights, ignore_errors=True)
         shutil.copytree(run / method, weights, ignore=lambda _d, names: [n for n in names if n in RUN_FILES])
         if METHODS[method][3]:
-            subprocess.run([sys.executable, str(ROOT / "scripts/store_int8.py"), str(weights / "model.safetensors")],
-                           check=True)
+            print(store_file(weights / "model.safetensors"))
         if method not in args.methods:
             continue
         report["methods"][method] = {

@@ -240,12 +240,13 @@ def test_init_is_refused_before_any_work_by_a_trainer_that_cannot_start_from_a_d
 
 
 @pytest.mark.slow
-def test_the_gpu_recipe_runs_end_to_end_at_tiny_scale(tmp_path):
+def test_the_gpu_recipe_runs_end_to_end_at_tiny_scale(tmp_path, monkeypatch):
     """scripts/train_recipe.py, whose `--scale gpu` is meant for a device call, at toy size on
-    the CPU: requests the target writes and a public set's, its answers once (draft_target's
-    run), EAGLE-3 and Medusa trained on them (Medusa on EAGLE-3's features), each drafter
-    lossless on the held-out prompts beside the shipped one, the weights loadable from OUT."""
-    import subprocess
+    the CPU (run as its own ``__main__`` in this process): requests the target writes and a
+    public set's, its answers once (draft_target's run), EAGLE-3 and Medusa trained on them
+    (Medusa on EAGLE-3's features), each drafter lossless on the held-out prompts beside the
+    shipped one, the weights loadable from OUT."""
+    import runpy
     import sys
     from pathlib import Path
 
@@ -253,10 +254,11 @@ def test_the_gpu_recipe_runs_end_to_end_at_tiny_scale(tmp_path):
     public.write_text(json.dumps([{"instruction": "Name three rivers.", "input": "", "output": "..."},
                                   {"instruction": "Add the numbers.", "input": "2, 3", "output": "5"},
                                   {"instruction": "Name three rivers.", "input": "", "output": "again"}]))
-    script = Path(__file__).resolve().parent.parent / "scripts" / "train_recipe.py"
-    subprocess.run([sys.executable, str(script), "--scale", "tiny", "--out", str(tmp_path), "--methods", "eagle3",
-                    "medusa", "--device", "cpu", "--public", str(public)], check=True, capture_output=True,
-                   timeout=850)  # 92 s alone, 413 s beside the suite's other worker on CI's 2 cores
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))  # as `python scripts/train_recipe.py` has it
+    monkeypatch.setattr(sys, "argv", ["train_recipe.py", "--scale", "tiny", "--out", str(tmp_path), "--methods",
+                                      "eagle3", "medusa", "--device", "cpu", "--public", str(public)])
+    runpy.run_path(str(scripts / "train_recipe.py"), run_name="__main__")
     prompts = [json.loads(line)["prompt"] for line in (tmp_path / "run" / "prompts.jsonl").read_text().splitlines()]
     assert sorted(p for p in prompts if p in ("Name three rivers.", "Add the numbers.\n\n2, 3")) == [
         "Add the numbers.\n\n2, 3", "Name three rivers."]  # once each, the answers never kept
