@@ -121,9 +121,9 @@ def specdec_cli(*args: str, input: str | None = None, env: dict | None = None,
 
 def specdec_main(*args: str) -> subprocess.CompletedProcess:
     """The command line's ``main(ARGS)`` in this process, its status (argparse's exits
-    included) and its output captured as :func:`specdec_cli` returns them: for what the
-    command refuses before it loads a model (a bad flag, file or config), where a process of
-    its own adds only its imports (10-15 s on CI's 2 cores)."""
+    included) and its output captured as :func:`specdec_cli` returns them: where a process
+    of its own would add only its imports and model loads (10-15 s on CI's 2 cores), not
+    what the test is about."""
     from specdec.cli import main
 
     out, err = io.StringIO(), io.StringIO()

@@ -55,7 +55,7 @@ def test_bench_user_jsonl_and_its_errors(tmp_path):
     data.write_text(json.dumps({"prompt": "Repeat: red green blue. red green blue.", "category": "repeat"}) + "\n"
                     + json.dumps({"messages": [{"role": "user", "content": "Say hi."}]}) + "\n")
     out = tmp_path / "r.json"
-    result = specdec("bench", "ngram", "--dataset", str(data), "--max-tokens", "8",
+    result = specdec_main("bench", "ngram", "--dataset", str(data), "--max-tokens", "8",
                      "--set", "engine.compile=false", "--batch-size", "3", "--repetitions", "2", "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -299,7 +299,7 @@ def test_bench_json_schema_workload(tmp_path):
     benchmarks = Path(__file__).parents[1] / "benchmarks"
     ngram_file = tmp_path / "ngram.yaml"  # drafting every step: acceptance must not depend on the machine's load
     ngram_file.write_text("speculative_config: {decoding_type: ngram, adaptive: false}\n")
-    result = specdec("bench", str(ngram_file), "--dataset", str(benchmarks / "json_events.jsonl"), "--json-schema",
+    result = specdec_main("bench", str(ngram_file), "--dataset", str(benchmarks / "json_events.jsonl"), "--json-schema",
                      str(benchmarks / "json_event.schema.json"), "--categories", "generation", "--max-tokens", "48",
                      "--set", "engine.compile=false", "--json", str(out))
     assert result.returncode == 0, result.stderr

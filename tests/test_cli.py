@@ -1,5 +1,5 @@
-"""The specdec command line, run as a user runs it; what it refuses before a model loads
-through its ``main`` in the test's process."""
+"""The specdec command line: each command run once as a user runs it, in a process of its
+own; the rest through its ``main`` in the test's process."""
 
 from helpers import specdec_cli as specdec
 from helpers import specdec_main
@@ -22,7 +22,7 @@ def test_config_check_prints_resolved_config_and_fails_on_errors(tmp_path):
 
 
 def test_generate_streams_text_and_prints_stats():
-    result = specdec("generate", "--stats", "-d", "ngram", "-k", "4", "-n", "24", "-t", "0",
+    result = specdec_main("generate", "--stats", "-d", "ngram", "-k", "4", "-n", "24", "-t", "0",
                      "--set", "engine.compile=false", "Repeat: one two three four. one two three four. one two")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
@@ -35,7 +35,7 @@ def test_generate_reads_stdin_and_flags_override_yaml(tmp_path):
     cfg.write_text("engine: {compile: false}\nsampling: {temperature: 0, max_tokens: 50}\n")
     a = specdec("generate", "-c", str(cfg), "-n", "5", input="The capital of France is")
     assert a.returncode == 0, a.stderr
-    b = specdec("generate", "-c", str(cfg), "-n", "5", "The capital of France is")
+    b = specdec_main("generate", "-c", str(cfg), "-n", "5", "The capital of France is")
     assert a.stdout == b.stdout and 0 < len(a.stdout.split()) <= 6
 
 
@@ -46,7 +46,7 @@ def test_chat_one_shot():
 
 
 def test_errors_are_messages_not_tracebacks(tmp_path):
-    result = specdec("generate", "-m", str(tmp_path / "missing"), "hi")
+    result = specdec_main("generate", "-m", str(tmp_path / "missing"), "hi")
     assert result.returncode == 2 and "no such file or directory" in result.stderr
     assert "Traceback" not in result.stderr
     result = specdec_main("generate", "-d", "nosuch", "hi")

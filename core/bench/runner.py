@@ -249,10 +249,12 @@ def llama_cpp_headline(report: dict) -> str | None:
             "tok/s), the fastest llama.cpp configuration in the run, over all categories")
 
 
-def print_table(report: dict, file=sys.stdout) -> None:
-    """The report as a table: ``range`` is the lowest and highest speedup over the
-    repetitions; with llama.cpp in the run, a headline against its plain decoding first and
-    a ``vs l.cpp`` column; a note follows where batched outputs differ from plain decoding's."""
+def print_table(report: dict, file=None) -> None:
+    """The report as a table on ``file`` (standard output as it is at the call): ``range``
+    is the lowest and highest speedup over the repetitions; with llama.cpp in the run, a
+    headline against its plain decoding first and a ``vs l.cpp`` column; a note follows
+    where batched outputs differ from plain decoding's."""
+    file = file or sys.stdout
     cats = report["categories"]
     headline = llama_cpp_headline(report)
     if headline:

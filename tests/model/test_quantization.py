@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from helpers import long_document_prompt, specdec_cli, specdec_main
+from helpers import long_document_prompt, specdec_main
 from specdec_test_support import embedded
 
 from specdec import LLM, SamplingParams, testing
@@ -322,8 +322,8 @@ def test_auto_leaves_other_gguf_schemes_unquantized_and_refuses_them_by_name(tmp
 
 
 def test_cli_quantization_flag_and_yaml(tmp_path):
-    out = specdec_cli("generate", "--quantization", "int8", "--device", "cpu", "--dtype", "float32", "-n", "6", "--set",
-                  "sampling.temperature=0", "The capital of France is")
+    out = specdec_main("generate", "--quantization", "int8", "--device", "cpu", "--dtype", "float32", "-n", "6",
+                       "--set", "sampling.temperature=0", "The capital of France is")
     assert out.returncode == 0 and "Paris" in out.stdout, out.stderr
     config = tmp_path / "q.yaml"
     config.write_text("engine: {quantization: int5}\n")
