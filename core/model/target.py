@@ -201,6 +201,22 @@ def _pools_dynamic(keys, values) -> None:
             torch._dynamo.mark_dynamic(pool, 0)
 
 
+def _one_size_symbol_per_pool_size(step) -> None:
+    """While a graph is traced: every pool of ``step`` (:class:`KeyRows`, :class:`SequenceKV`)
+    as long as an earlier one shares that earlier one's size symbol. Each pool is marked
+    dynamic on its own (:func:`_pools_dynamic`), so each would bring a symbol of its own,
+    which the compiled graph takes as an integer argument converted to a tensor at every
+    call: two per layer. Comparing the sizes guards on their equality, and Dynamo then keeps
+    one symbol for all the pools of one size (the sliding-window layers' pools, smaller,
+    keep another)."""
+    if step is None:
+        return
+    sizes = []
+    for pool in (*step.keys, *step.values):
+        if not any(pool.shape[0] == size for size in sizes):
+            sizes.append(pool.shape[0])
+
+
 def _no_mask(*args, **kwargs):
     return None
 
@@ -485,6 +501,7 @@ class TargetModel:
             model = self.model
 
             def logits(input_ids, position_ids, rows, sequence):
+                _one_size_symbol_per_pool_size(sequence)
                 return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows,
                              specdec=sequence).logits
 

@@ -214,3 +214,37 @@ def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_stat
     release_kept_targets()
     gc.collect()
     assert target() is None
+
+
+def test_pools_of_one_size_bring_one_size_symbol_into_a_compiled_graph():
+    """Each KV pool is marked dynamic on its own; traced as the target's graph traces them,
+    the pools of one size share one size symbol, so the compiled graph takes one integer for
+    them (each integer is converted to a tensor at every call), and a pool of another size
+    (a sliding-window layer's) keeps its own."""
+    from collections import namedtuple
+
+    from specdec.model.target import _one_size_symbol_per_pool_size, _pools_dynamic
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def symbols(check_sizes: bool) -> int:
+        pools = namedtuple("Pools", "keys values")([torch.zeros(n, 2, 4) for n in (40, 24, 40, 40)],
+                                                   [torch.zeros(n, 2, 4) for n in (40, 24, 40, 40)])
+        _pools_dynamic(pools.keys, pools.values)
+
+        def read(step):
+            if check_sizes:
+                _one_size_symbol_per_pool_size(step)
+            return sum(pool.reshape(-1)[: pool.shape[0]].sum() for pool in (*step.keys, *step.values))
+
+        read.__code__ = read.__code__.replace()  # graphs of its own
+        torch.compile(read, backend=backend, fullgraph=True)(pools)
+        return len({str(node.meta["example_value"]) for node in graphs[-1].graph.nodes
+                    if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.SymInt)})
+
+    assert symbols(check_sizes=False) == 8
+    assert symbols(check_sizes=True) == 2
