@@ -26,10 +26,16 @@ def exit_now(code: int | str | None = 0) -> NoReturn:
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
+    run_exit_handlers()
+    os._exit(code or 0)
+
+
+def run_exit_handlers() -> None:
+    """What a normal exit does that matters: the atexit handlers, then the standard streams
+    flushed."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
             pass
-    os._exit(code or 0)

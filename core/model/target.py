@@ -202,13 +202,13 @@ def _pools_dynamic(keys, values) -> None:
 
 
 def _one_size_symbol_per_pool_size(step) -> None:
-    """While a graph is traced: every pool of ``step`` (:class:`KeyRows`, :class:`SequenceKV`)
-    as long as an earlier one shares that earlier one's size symbol. Each pool is marked
-    dynamic on its own (:func:`_pools_dynamic`), so each would bring a symbol of its own,
-    which the compiled graph takes as an integer argument converted to a tensor at every
-    call: two per layer. Comparing the sizes guards on their equality, and Dynamo then keeps
-    one symbol for all the pools of one size (the sliding-window layers' pools, smaller,
-    keep another)."""
+    """While a graph is traced: the pools of ``step`` (:class:`KeyRows`, :class:`SequenceKV`)
+    that have one size share one size symbol. Each pool is marked dynamic on its own
+    (:func:`_pools_dynamic`), so each would bring a symbol of its own, which the compiled
+    graph takes as an integer argument converted to a tensor at every call: two per layer.
+    Comparing each pool's size with the sizes seen before guards on their equality, and
+    Dynamo then keeps one symbol for them (the sliding-window layers' smaller pools keep
+    another)."""
     if step is None:
         return
     sizes = []

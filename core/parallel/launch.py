@@ -17,7 +17,6 @@ for a signal) when a worker ends.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import json
@@ -199,6 +198,7 @@ def _worker(env: dict[str, str], launcher: int) -> NoReturn:
     the launcher's loop."""
     code = 1
     try:
+        from ..process_exit import run_exit_handlers
         from .worker import main
 
         signal.set_wakeup_fd(-1)
@@ -214,11 +214,9 @@ def _worker(env: dict[str, str], launcher: int) -> NoReturn:
         os.environ.update(env)
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, f"specdec-rank{env['RANK']}".encode()[:15])
         code = main()
-        atexit._run_exitfuncs()
+        run_exit_handlers()
     except BaseException:  # noqa: BLE001 - reported, and the fork ends here whatever happened
         traceback.print_exc()
+        sys.stderr.flush()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
         os._exit(code)
