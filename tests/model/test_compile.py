@@ -4,6 +4,8 @@ lossless as without it, on plain and int4 targets; on the integer-dot kernels on
 batch-invariant graph, on by default; engines sharing a target share its graphs. A test
 that counts graphs starts without a kept target (:mod:`specdec.model.kept`)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import LastStateWatcher, StateWatcher
@@ -40,19 +42,46 @@ def _forwards(target: TargetModel) -> list[tuple[torch.Tensor, dict]]:
 
 
 def _tiny_target(tiny_models) -> TargetModel:
-    """The tiny Llama's target, capturing the first layer's and the final norm's states."""
+    """The tiny Llama's target, eager, capturing the first layer's and the final norm's states."""
     target = TargetModel(load_causal_lm(tiny_models["llama"], torch.float32, torch.device("cpu")), None, "tiny")
     target.capture_hidden_layers([0, -1])
     return target
 
 
+PROMPT_LENGTHS = (1, 7, 30)
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
 @pytest.fixture(scope="module")
-def compiled_tiny(tiny_models) -> TargetModel:
-    """:func:`_tiny_target` compiled: the tests that call its forward share its graphs
-    (a frozen graph is compiled anew in every process and every test)."""
-    target = _tiny_target(tiny_models)
-    target.compile()
-    return target
+def tiny_llms(tiny_models) -> SimpleNamespace:
+    """The tiny Llama in float32, from no kept target: an eager ``LLM`` and its answers to
+    prompts of 1, 7 and 30 tokens, then a compiled one (``plain``) and one whose drafter
+    reads the first layer's state (``reader``), with the graphs each compiled when it
+    started. The tests that need compiled graphs share these: a frozen graph is compiled
+    anew in every process and every test (its packed weights keep it out of inductor's
+    cache)."""
+    model = str(tiny_models["llama"])
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    release_kept_targets()
+    StateWatcher.seen.clear()
+    eager = LLM(model=model, dtype="float32")
+    want = [o.token_ids for o in eager.generate(prompts, PARAMS)]
+    before = counters["stats"]["unique_graphs"]
+    plain = LLM(model=model, dtype="float32", engine={"compile": True})
+    plain_graphs = counters["stats"]["unique_graphs"] - before
+    reader = LLM(model=model, dtype="float32", engine={"compile": True},
+                 speculative_config={"decoding_type": "user", "drafter": StateWatcher})
+    return SimpleNamespace(model=model, prompts=prompts, eager=eager, want=want, plain=plain, reader=reader,
+                           plain_graphs=plain_graphs,
+                           reader_graphs=counters["stats"]["unique_graphs"] - before - plain_graphs)
+
+
+@pytest.fixture(scope="module")
+def compiled_tiny(tiny_llms) -> TargetModel:
+    """The compiled tiny Llama target keeping the first layer's and the final norm's states
+    (``tiny_llms.reader``'s)."""
+    return tiny_llms.reader.target
 
 
 @pytest.mark.slow
@@ -92,6 +121,74 @@ def test_steps_of_one_sequence_trace_their_attention_and_batches_call_the_operat
             target.forward(*args)
         calls[name] = sum(e.count for e in prof.key_averages() if e.key == "specdec::paged_attention")
     assert calls == {"decode": 0, "chain": 0, "tree": 0, "batch": target.num_layers}
+
+
+def test_targets_compiled_in_one_process_keep_their_own_graphs(tiny_models, tiny_llms):
+    """Each target's graphs hold its own frozen weights: a model compiled beside another
+    (Gemma 2, whose soft-capping and sliding window go through the attention operator)
+    and that one answer as they do eagerly. An engine of one request at a time compiles no
+    graph for a step of several sequences: two graphs."""
+    prompts = [[5, 9, 11, 3, 7, 5, 9]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    gemma = str(tiny_models["gemma2"])
+    eager = {"llama": tiny_llms.eager.generate(prompts, params)[0].token_ids,
+             "gemma2": LLM(model=gemma, dtype="float32").generate(prompts, params)[0].token_ids}
+    before = counters["stats"]["unique_graphs"]
+    compiled = {"gemma2": LLM(model=gemma, dtype="float32", engine={"compile": True, "max_batch_size": 1}),
+                "llama": tiny_llms.plain}
+    assert counters["stats"]["unique_graphs"] - before == 2
+    assert eager["llama"] != eager["gemma2"]
+    for arch, llm in compiled.items():
+        assert llm.generate(prompts, params)[0].token_ids == eager[arch]
+    assert counters["stats"]["unique_graphs"] - before == 2
+
+
+def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_states(tiny_llms):
+    """Three graphs compile when an engine starts (one token of one sequence, several, a
+    step of several sequences) and none while it serves, alone or batched. A second LLM
+    asking for the same weights, numerics and compilation gets the first one's target, its
+    graphs compiled: no load, no new graph (a setting given by value matches an ``auto``
+    that resolved to it). One whose drafter reads the final norm's state alone shares the
+    plain graphs too (they keep that state), as prompt lookup does, its drafts lossless;
+    one that reads another layer's gets graphs of its own. Used in turn, each answers as
+    the eager target does."""
+    t = tiny_llms
+    assert t.plain.target is not t.eager.target and t.plain_graphs == 3
+    assert t.reader.target is t.plain.target and t.reader_graphs == 3
+    assert set(t.plain.target._compiled) == {frozenset({-1}), frozenset({0, -1})}
+    before = counters["stats"]["unique_graphs"]
+    assert [t.plain.generate([p], PARAMS)[0].token_ids for p in t.prompts] == t.want  # a decode at batch 1
+    again = LLM(model=t.model, dtype="float32", engine={"compile": True, "max_batch_size": 2})
+    last = LLM(model=t.model, dtype="float32", engine={"compile": True},
+               speculative_config={"decoding_type": "user", "drafter": LastStateWatcher})
+    assert again.target is last.target is t.plain.target
+    testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 4}, t.model, engine={"compile": True})
+    LastStateWatcher.seen.clear()
+    StateWatcher.seen.clear()
+    for llm in (t.plain, t.reader, last, again, t.reader, t.plain):
+        assert [o.token_ids for o in llm.generate(t.prompts, PARAMS)] == t.want
+    assert counters["stats"]["unique_graphs"] == before
+    assert StateWatcher.seen and all(sorted(r.hidden_states) == [-1, 0] for r in StateWatcher.seen)
+    assert LastStateWatcher.seen and all(list(r.hidden_states) == [-1] for r in LastStateWatcher.seen)
+    # asked by value, the numerics ``auto`` resolved to for it (stock at float32)
+    assert LLM(model=t.model, dtype="float32", engine={"compile": True, "batch_invariant": False}).target \
+        is t.plain.target
+
+
+def test_the_last_target_stays_after_its_llms_are_gone_until_released(tiny_models):
+    import gc
+    import weakref
+
+    model = str(tiny_models["llama"])
+    llm = LLM(model=model, dtype="float32", engine={"max_model_len": 64})
+    assert LLM(model=model, dtype="float32", engine={"max_model_len": 64}).target is llm.target
+    target = weakref.ref(llm.target)
+    del llm
+    gc.collect()
+    assert target() is not None
+    release_kept_targets()
+    gc.collect()
+    assert target() is None
 
 
 @pytest.mark.parametrize("quantization", ["int4", "w4a8"])
@@ -142,78 +239,6 @@ def test_an_integer_dot_target_compiles_one_graph_whose_tokens_ignore_their_neig
                                          prompts=prompts, max_tokens=12, dtype="bfloat16", device="cpu",
                                          engine={"quantization": "w4a8"})
     assert alone == batched == [o.token_ids for o in spec]
-
-
-@pytest.mark.slow
-def test_targets_compiled_in_one_process_keep_their_own_graphs(tiny_models):
-    """Each target's graphs hold its own frozen weights: two models compiled side by side
-    answer as they do eagerly (Gemma 2's soft-capping and sliding window go through the
-    attention operator). An engine of one request at a time compiles no graph for a step of
-    several sequences: two graphs each."""
-    prompts = [[5, 9, 11, 3, 7, 5, 9]]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    eager = {arch: LLM(model=str(tiny_models[arch]), dtype="float32").generate(prompts, params)[0].token_ids
-             for arch in ("llama", "gemma2")}
-    release_kept_targets()
-    before = counters["stats"]["unique_graphs"]
-    compiled = {arch: LLM(model=str(tiny_models[arch]), dtype="float32",
-                          engine={"compile": True, "max_batch_size": 1}) for arch in ("llama", "gemma2")}
-    assert eager["llama"] != eager["gemma2"]
-    for arch, llm in compiled.items():
-        assert llm.generate(prompts, params)[0].token_ids == eager[arch]
-    assert counters["stats"]["unique_graphs"] - before == 4
-
-
-def test_llms_asking_for_one_target_share_it_and_compile_a_graph_per_set_of_states(tiny_models):
-    """Three graphs compile when an engine starts (one token of one sequence, several, a
-    step of several sequences) and none while it serves, alone or batched. A second LLM
-    asking for the same weights, numerics and compilation gets the first one's target, its
-    graphs compiled: no load, no new graph (a setting given by value matches an ``auto``
-    that resolved to it). One whose drafter reads the final norm's state alone shares the
-    plain graphs too (they keep that state), as prompt lookup does, its drafts lossless;
-    one that reads another layer's gets graphs of its own. Used in turn, each answers as
-    the eager target does; the last target stays after its LLMs are gone, until released."""
-    import gc
-    import weakref
-
-    model = str(tiny_models["llama"])
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (1, 7, 30)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    release_kept_targets()
-    StateWatcher.seen.clear()
-    eager = LLM(model=model, dtype="float32")
-    want = [o.token_ids for o in eager.generate(prompts, params)]
-    before = counters["stats"]["unique_graphs"]
-    plain = LLM(model=model, dtype="float32", engine={"compile": True})
-    assert plain.target is not eager.target and counters["stats"]["unique_graphs"] - before == 3
-    assert [plain.generate([p], params)[0].token_ids for p in prompts] == want  # a decode at batch 1: one token
-    again = LLM(model=model, dtype="float32", engine={"compile": True, "max_batch_size": 2})
-    last = LLM(model=model, dtype="float32", engine={"compile": True},
-               speculative_config={"decoding_type": "user", "drafter": LastStateWatcher})
-    assert last.target is plain.target and counters["stats"]["unique_graphs"] - before == 3
-    testing.check_greedy_lossless({"decoding_type": "ngram", "max_draft_len": 4}, model, engine={"compile": True})
-    assert counters["stats"]["unique_graphs"] - before == 3
-    reader = LLM(model=model, dtype="float32", engine={"compile": True},
-                 speculative_config={"decoding_type": "user", "drafter": StateWatcher})
-    assert again.target is plain.target is reader.target
-    assert counters["stats"]["unique_graphs"] - before == 6
-    assert set(plain.target._compiled) == {frozenset({-1}), frozenset({0, -1})}
-    LastStateWatcher.seen.clear()
-    for llm in (plain, reader, last, again, reader, plain):
-        assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert counters["stats"]["unique_graphs"] - before == 6
-    assert StateWatcher.seen and all(sorted(r.hidden_states) == [-1, 0] for r in StateWatcher.seen)
-    assert LastStateWatcher.seen and all(list(r.hidden_states) == [-1] for r in LastStateWatcher.seen)
-    # asked by value, the numerics ``auto`` resolved to for it (stock at float32)
-    assert LLM(model=model, dtype="float32", engine={"compile": True, "batch_invariant": False}).target is plain.target
-    target = weakref.ref(plain.target)
-    del eager, plain, again, last, reader, llm
-    gc.collect()
-    assert target() is not None
-    release_kept_targets()
-    gc.collect()
-    assert target() is None
 
 
 def test_pools_of_one_size_bring_one_size_symbol_into_a_compiled_graph():
