@@ -16,8 +16,9 @@ import json
 
 from specdec import LLM, SamplingParams
 from specdec.executor.planner import FixedCosts
-from specdec.model.loading import resolve_model_dir
+from specdec.model.loading import load_tokenizer, resolve_model_dir
 from specdec.testing import check_sampling_lossless, first_divergence
+from specdec.text_codec import TextCodec
 
 #: Chat prompts on which drafters shipped for the embedded model are checked (not in any
 #: training data or bench category).
@@ -84,7 +85,8 @@ def check_shipped_sampling(options: dict, n: int = 250, question: str = "Name a 
                            params: SamplingParams | None = None) -> int:
     """:func:`check_sampling_lossless` on the embedded model (a short chat ``question``,
     temperature 1, top-k 4 unless ``params`` say otherwise); returns the accepted draft tokens."""
-    prompt = LLM(dtype="float32").apply_chat_template([{"role": "user", "content": question}])
+    codec = TextCodec(load_tokenizer(resolve_model_dir(None)))  # no model loaded for a prompt
+    prompt = codec.apply_chat_template([{"role": "user", "content": question}])
     _, accepted = check_sampling_lossless(options, resolve_model_dir(None), prompt=prompt, n=n,
                                           params=params or SamplingParams(temperature=1.0, top_k=4))
     return accepted
