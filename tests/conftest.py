@@ -22,20 +22,43 @@ DEFAULT_TARGET_FILES = frozenset({
         "draft_target", "eagle", "lookahead", "medusa", "mtp", "ngram", "redrafter", "suffix"))})
 
 
+#: files of a few long end-to-end tests: xdist hands out files by their number of tests,
+#: most first, which would leave these last, one worker running one while the other is idle
+LONG_FEW_TEST_FILES = frozenset({
+    "tests/executor/test_long_context.py", "tests/executor/test_seeded_sampling.py",
+    "tests/parallel/test_parallel_embedded.py", "tests/parallel/test_parallel_serving.py",
+    "tests/serving/test_soak.py", *(f"plugins/spec_{name}/tests/test_{name}_train.py"
+                                    for name in ("eagle", "medusa", "mtp", "redrafter"))})
+
+DEFAULT_TARGET_GROUP = "the default target's files"
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadfile`` (CI's command) a file's tests run on one worker, and the
     :data:`DEFAULT_TARGET_FILES` on one worker together: it compiles the target's and the
     drafters' graphs once for all of them, where each worker would compile them (a minute
-    or more a graph with torch's caches empty)."""
+    or more a graph with torch's caches empty). That group goes out first, then the
+    :data:`LONG_FEW_TEST_FILES`, then the rest in xdist's order, so that the suite ends on
+    short files."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class DefaultTargetTogether(LoadFileScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "the default target's files" if path in DEFAULT_TARGET_FILES else path
+            return DEFAULT_TARGET_GROUP if path in DEFAULT_TARGET_FILES else path
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # once, when the first file goes out
+                self.ordered = True
+                for scope in sorted(self.workqueue, key=lambda scope: (scope != DEFAULT_TARGET_GROUP,
+                                                                       scope not in LONG_FEW_TEST_FILES)):
+                    self.workqueue.move_to_end(scope)
+            super()._assign_work_unit(node)
 
     return DefaultTargetTogether(config, log)
 
