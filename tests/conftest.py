@@ -22,10 +22,11 @@ DEFAULT_TARGET_FILES = frozenset({
         "draft_target", "eagle", "lookahead", "medusa", "mtp", "ngram", "redrafter", "suffix"))})
 
 
-#: files of a few long end-to-end tests: xdist hands out files by their number of tests,
-#: most first, which would leave these last, one worker running one while the other is idle
+#: files of a few tests that run long (end to end, or compiling): xdist hands out files by
+#: their number of tests, most first, which would leave these last, one worker running one
+#: while the other is idle
 LONG_FEW_TEST_FILES = frozenset({
-    "tests/executor/test_long_context.py", "tests/executor/test_seeded_sampling.py",
+    "tests/executor/test_long_context.py", "tests/executor/test_seeded_sampling.py", "tests/model/test_compile.py",
     "tests/parallel/test_parallel_embedded.py", "tests/parallel/test_parallel_serving.py",
     "tests/serving/test_soak.py", *(f"plugins/spec_{name}/tests/test_{name}_train.py"
                                     for name in ("eagle", "medusa", "mtp", "redrafter"))})
