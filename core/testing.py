@@ -332,8 +332,8 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
 
     exact = marginal(list(prompt), position)
     counts, accepted = torch.zeros_like(exact), 0
-    # The first request alone puts the prompt's blocks in the prefix cache: the others read
-    # them there instead of each computing the prompt again (the check's cost was theirs).
+    # The first request runs alone and leaves the prompt's blocks in the prefix cache, where
+    # the other n - 1 read them instead of each computing the prompt.
     seeded = [attrs.evolve(params, seed=seed) for seed in range(n)]
     for out in [*llm.generate([prompt], seeded[:1]), *llm.generate([prompt] * (n - 1), seeded[1:])]:
         counts[out.token_ids[position]] += 1

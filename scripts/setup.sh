@@ -26,8 +26,9 @@ fi
 # llama-cpp-python (`specdec bench --llama-cpp`) is not installed here: it compiles llama.cpp
 # (about 6 minutes on 2 cores); `pip install 'specdec[llama-cpp]'` adds it when wanted.
 # specdec, its eight plugins, the example plugin and the test support, with their
-# dependencies (pip builds the local packages in this environment). torch is installed above and satisfies them: neither installer replaces it. Modules are
-# compiled to bytecode here, once: uv leaves that to the first import, and where
+# dependencies (pip builds the local packages in this environment). torch is installed
+# above and satisfies them: neither installer replaces it. Modules are compiled to
+# bytecode here, once: uv leaves that to the first import, and where
 # PYTHONDONTWRITEBYTECODE is set every process would compile transformers and the rest
 # from source again (about a second a process).
 LOCAL=(-e ".[test]" -e plugins/spec_ngram -e plugins/spec_lookahead -e plugins/spec_draft_target
