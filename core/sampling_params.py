@@ -169,6 +169,15 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def draws_drafts(self) -> bool:
+        """Whether drafters should draw their drafts from their own distribution: sampled
+        requests without a seed, verified by rejection sampling, which keeps a draft ``x``
+        with ``min(1, p(x) / q(x))``. A seeded request keeps a draft only where it equals
+        the target's own draw, whatever ``q`` was: its best draft is the drafter's likeliest
+        token, as a greedy request's is."""
+        return not self.greedy and self.seed is None
+
+    @property
     def shapes_logits(self) -> bool:
         """Whether the target's logits are changed before sampling (penalties, biases,
         ``min_tokens``): each verified position then needs its own history."""

@@ -284,14 +284,17 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     """Sampled output follows the target's distribution with the drafter in the loop.
 
     The empirical distribution of output token ``position`` (the second token, the first
-    one verified against drafts, by default) over ``n`` seeds is compared (chi-square) with
+    one verified against drafts, by default) over ``n`` requests is compared (chi-square) with
     its exact distribution, computed from the stock model by summing over every earlier
     output (keep ``top_k`` small), after the penalties and biases ``params`` ask for
     (not ``min_tokens``, which needs the model's EOS ids) and, with ``structured_outputs``,
     masked to the tokens the grammar allows after each earlier output. The drafter drafts
     every step unless ``options`` say ``adaptive: true`` (see :func:`check_greedy_lossless`).
     With ``engine`` options that quantize the target, the exact distribution is the
-    quantized model's (a GGUF ``model``'s own blocks). Returns the
+    quantized model's (a GGUF ``model``'s own blocks). The requests have no seed: they are
+    verified by rejection sampling against drafts drawn from the drafter's distribution,
+    where a drafter's ``q`` decides the output's distribution (a seeded request's output is
+    plain sampling's own by construction, whatever was drafted). Returns the
     p-value and the number of accepted draft tokens (a test should check drafts were
     accepted at all).
     """
@@ -312,8 +315,8 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     else:
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-    # the n seeded requests run as one batch: each has its own generator, so batching them
-    # changes no request's distribution, and the batched step is the one serving runs
+    # the n requests run as one batch: each has its own generator, so batching them changes
+    # no request's distribution, and the batched step is the one serving runs
     llm = LLM(model=str(model), dtype="float32", device=device, engine={"max_batch_size": 64, **(engine or {})},
               speculative_config=options)
 
@@ -334,8 +337,8 @@ def check_sampling_lossless(options: dict, model: str | Path, prompt: list[int],
     counts, accepted = torch.zeros_like(exact), 0
     # The first request runs alone and leaves the prompt's blocks in the prefix cache, where
     # the other n - 1 read them instead of each computing the prompt.
-    seeded = [attrs.evolve(params, seed=seed) for seed in range(n)]
-    for out in [*llm.generate([prompt], seeded[:1]), *llm.generate([prompt] * (n - 1), seeded[1:])]:
+    params = attrs.evolve(params, seed=None)
+    for out in [*llm.generate([prompt], params), *llm.generate([prompt] * (n - 1), params)]:
         counts[out.token_ids[position]] += 1
         accepted += out.metrics.num_accepted_tokens
     p_value = chi_square_p_value(counts, exact, n)

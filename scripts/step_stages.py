@@ -3,7 +3,7 @@ as `specdec bench` does (multi-turn conversations turn by turn, ``--batch-size``
 together, the bench's warm-up first), with every stage of its step timed.
 
     .venv/bin/python scripts/step_stages.py plain ngram suffix [--dataset benchmarks/agentic.jsonl]
-        [--categories agent] [--batch-size 1] [--max-tokens 128]
+        [--categories agent] [--batch-size 1] [--max-tokens 128] [--temperature 0.7 --top-p 0.9]
 
 Prints, per method, tokens/s and engine steps, then the milliseconds a step of each stage:
 the target's forward, the verifier, the planner (before drafting, trimming, observing), the
@@ -55,9 +55,11 @@ def main() -> None:
     parser.add_argument("--categories", nargs="*")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args()
     sets = _prompt_sets(args.dataset, args.categories, args.batch_size)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=0)
     for method in args.methods:
         llm = LLM(speculative_config=None if method == "plain" else {"decoding_type": method})
         llm.generate([llm.apply_chat_template(WARMUP)], SamplingParams(max_tokens=4, temperature=0.0))

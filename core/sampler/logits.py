@@ -11,6 +11,7 @@ import torch
 
 from ..kernels import argmax_rows
 from ..sampling_params import SamplingParams
+from .acceptance import draw
 
 
 def shape_logits(logits: torch.Tensor, histories: list[list[int]], params: SamplingParams, prompt_len: int,
@@ -57,15 +58,41 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
-        drop_sorted = before >= params.top_p
-        drop_sorted[..., 0] = False  # the likeliest token stays, however small top_p (float32 may round it to 0)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(probs < nucleus_floor(probs, params.top_p), 0.0)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs / probs.sum(-1, keepdim=True)
+
+
+#: likeliest tokens a row's nucleus is first looked for among (doubled until it fits)
+NUCLEUS_WINDOW = 64
+
+
+def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``[rows, 1]``: each row's smallest probability inside its top-p nucleus.
+
+    A token is in the nucleus when the tokens strictly likelier than it hold less than
+    ``top_p`` of the mass, so tokens of equal probability are in or out together (the
+    nucleus does not depend on how a sort orders ties) and the likeliest token always is.
+    The nucleus is looked for among a row's :data:`NUCLEUS_WINDOW` likeliest tokens, the
+    window doubling for the rows whose nucleus reaches its end: a partial selection
+    instead of a sort of the vocabulary, which costs milliseconds a row on a CPU.
+    """
+    vocab = probs.shape[-1]
+    floor = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    k = NUCLEUS_WINDOW
+    while len(rows):
+        k = min(k, vocab)
+        top = probs[rows].topk(k, dim=-1).values  # descending
+        # the last value with less than top_p before it (in the window's order) is the floor:
+        # its equals after it in that order, whatever their mass, are not below it
+        inside = (top.cumsum(-1) - top < top_p).sum(-1)
+        found = (inside < k) | (k == vocab)
+        # (a top_p that float32 rounds to 0 leaves nothing inside: the likeliest token is the floor)
+        floor[rows[found], 0] = top[found].gather(-1, (inside[found] - 1).clamp(min=0)[:, None])[:, 0]
+        rows, k = rows[~found], 2 * k
+    return floor
 
 
 def pick_draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -73,18 +100,20 @@ def pick_draft_token(logits: torch.Tensor, params: SamplingParams, generator: to
     """A draft token from one row of draft logits, as a target token id.
 
     ``logits`` cover the draft vocabulary: target ids ``draft_to_target`` (``None``: the
-    target's first ``len(logits)`` ids). Greedy requests get the argmax and no
-    distribution; sampled ones a draw from the processed draft distribution, returned
+    target's first ``len(logits)`` ids). Requests that do not draw drafts
+    (:attr:`SamplingParams.draws_drafts`: greedy and seeded ones) get the argmax and no
+    distribution; the others a draw from the processed draft distribution, returned
     with it over the whole target vocabulary (zero outside the draft vocabulary) for
     the rejection sampler.
     """
-    if params.greedy:
+    if not params.draws_drafts:
         best = int(argmax_rows(logits))
         return (best if draft_to_target is None else int(draft_to_target[best])), None
     q_small = probs_from_logits(logits[None], params)[0]
+    pick = draw(q_small, generator)
     q = torch.zeros(vocab_size, device=q_small.device)
     if draft_to_target is None:
         q[:q_small.shape[-1]] = q_small
-    else:
-        q[draft_to_target.to(q.device)] = q_small
-    return int(torch.multinomial(q, 1, generator=generator)), q
+        return pick, q
+    q[draft_to_target.to(q.device)] = q_small
+    return int(draft_to_target[pick]), q

@@ -13,7 +13,7 @@ import attrs
 import torch
 
 from ..drafting.interface import DraftProposal
-from .acceptance import Verdict, children_of
+from .acceptance import Verdict, children_of, draw
 
 
 def _walk(judge: torch.Tensor, probs: torch.Tensor, proposal: DraftProposal,
@@ -27,8 +27,7 @@ def _walk(judge: torch.Tensor, probs: torch.Tensor, proposal: DraftProposal,
         ok = [k for k in kids[node] if accept(row, proposal.token_ids[k])]
         if not ok:
             last = probs[node + 1]
-            final = int(last.argmax()) if request.sampling_params.greedy else \
-                int(torch.multinomial(last, 1, generator=request.generator))
+            final = int(last.argmax()) if request.sampling_params.greedy else draw(last, request.generator)
             return Verdict(accepted, [proposal.token_ids[n] for n in accepted] + [final])
         node = max(ok, key=lambda k: float(row[proposal.token_ids[k]]))
         accepted.append(node)

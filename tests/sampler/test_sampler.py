@@ -6,6 +6,7 @@ and compare their empirical joint distribution with the exact one (chi-square). 
 deliberately wrong rule must fail the same test.
 """
 
+import collections
 from math import inf
 
 import pytest
@@ -14,7 +15,15 @@ import torch
 import specdec.sampler.acceptance as acceptance
 from specdec import DraftProposal, SamplingParams
 from specdec.errors import FieldError
-from specdec.sampler import probs_from_logits, shape_logits, verify_greedy, verify_sampled, verify_seeded
+from specdec.sampler import (
+    nucleus_floor,
+    pick_draft_token,
+    probs_from_logits,
+    shape_logits,
+    verify_greedy,
+    verify_sampled,
+    verify_seeded,
+)
 
 
 def test_greedy_chain_and_tree():
@@ -64,6 +73,53 @@ def test_logits_processing():
     hot = probs_from_logits(logits, SamplingParams(temperature=2.0))
     cold = probs_from_logits(logits, SamplingParams(temperature=0.5))
     assert hot[0, 0] < cold[0, 0]
+
+
+def _sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus by a sort of the whole row: what :func:`nucleus_floor` must equal where
+    no two probabilities tie."""
+    ordered, order = probs.sort(dim=-1, descending=True)
+    drop = (ordered.cumsum(-1) - ordered) >= top_p
+    drop[..., 0] = False
+    return ~torch.zeros_like(drop).scatter(-1, order, drop)
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.0, 6.0, 20.0])
+def test_the_nucleus_found_by_partial_selection_is_the_sorted_one(scale):
+    """Rows from flat (the window doubles up to the whole vocabulary) to peaked, several
+    rows of different widths at once."""
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    probs = torch.softmax(torch.randn(5, 49152, generator=gen) * scale, dim=-1)
+    for top_p in (1e-6, 0.5, 0.9, 0.99):
+        assert torch.equal(probs >= nucleus_floor(probs, top_p), _sorted_nucleus(probs, top_p))
+
+
+def test_tied_probabilities_are_in_or_out_of_the_nucleus_together():
+    probs = torch.tensor([[0.4, 0.2, 0.2, 0.2], [0.25, 0.25, 0.25, 0.25], [0.1, 0.45, 0.1, 0.35]])
+    kept = (probs >= nucleus_floor(probs, 0.5)).tolist()
+    # row 0: 0.4 lies above each 0.2, less than 0.5, so every 0.2 is in (a sort would keep one of them)
+    assert kept == [[True, True, True, True], [True, True, True, True], [False, True, False, True]]
+    assert (probs >= nucleus_floor(probs, 1e-30)).tolist()[0] == [True, False, False, False]
+
+
+def test_only_requests_verified_by_rejection_sampling_draw_their_drafts():
+    """Seeded verification keeps a draft where it equals the target's own draw, so a
+    seeded request drafts the drafter's likeliest token, as a greedy one does; a request
+    without a seed draws it from the drafter's distribution, handed on for rejection
+    sampling over the target's vocabulary (the draft vocabulary's ids mapped)."""
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.5])
+    to_target = torch.tensor([2, 5, 7, 9])
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3)):
+        assert not params.draws_drafts
+        assert pick_draft_token(logits, params, None, 12, to_target) == (5, None)
+    params = SamplingParams(temperature=0.8)
+    gen = torch.Generator().manual_seed(0)
+    picks = collections.Counter()
+    for _ in range(400):
+        token, q = pick_draft_token(logits, params, gen, 12, to_target)
+        picks[token] += 1
+        assert torch.allclose(q[to_target], probs_from_logits(logits[None], params)[0]) and q.sum() == pytest.approx(1)
+    assert set(picks) == {2, 5, 7, 9} and picks[5] > picks[9] > picks[7] > picks[2]
 
 
 def test_extreme_settings_give_a_distribution_not_nans():

@@ -65,7 +65,7 @@ class MedusaDrafter(LastStateDrafter):
         top = logits.topk(min(self.tree.max_rank + 1, logits.shape[-1]), dim=-1).indices
         for row, i in enumerate(active):
             req, tree = requests[i], trees[i]
-            if not req.sampling_params.greedy and tree.max_rank == 0:
+            if req.sampling_params.draws_drafts and tree.max_rank == 0:
                 drawn = [pick_draft_token(logits[row, d], req.sampling_params, req.generator, self.target.vocab_size,
                                           self.draft_to_target) for d in range(tree.depth)]
                 proposals[i] = DraftProposal(token_ids=[t for t, _ in drawn],

@@ -49,8 +49,8 @@ class ReDrafterDrafter(LastStateDrafter):
     def prepare_draft_tokens(self, requests, draft_lens, max_nodes):
         proposals: list[DraftProposal | None] = [None] * len(requests)
         active = self.ready(requests, draft_lens)
-        for group, make in (([i for i in active if requests[i].sampling_params.greedy], self._beam_proposals),
-                            ([i for i in active if not requests[i].sampling_params.greedy], self._sampled_proposals)):
+        for group, make in (([i for i in active if not requests[i].sampling_params.draws_drafts], self._beam_proposals),
+                            ([i for i in active if requests[i].sampling_params.draws_drafts], self._sampled_proposals)):
             if group:
                 context = self.take_states(requests, group)
                 roots = torch.tensor([requests[i].token_ids[-1] for i in group], device=context.device)
