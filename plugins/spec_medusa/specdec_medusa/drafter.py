@@ -6,8 +6,9 @@ the tree is static).
 
 Greedy requests get the tree. Requests that sample get it too, with each node's token
 taken deterministically (the core's recursive rejection sampling with one-hot proposals);
-where the step's tree is a chain, its tokens are drawn from the heads' distributions
-instead and verified by rejection sampling against them. Both are lossless.
+where the step's tree is a chain and the request has no seed (``draws_drafts``), its tokens
+are drawn from the heads' distributions instead and verified by rejection sampling
+against them. Both are lossless.
 """
 
 from __future__ import annotations

@@ -2,14 +2,15 @@
 drafter step per depth for the whole batch, ``requests x beam_width`` rows), whose beams
 are merged into a prefix tree by the core and verified in one target forward.
 
-Greedy requests get the beam search of the reference: every beam starts from the token
-the target just produced, the ``beam_width`` best continuations by cumulative
-log-probability (top-50 scores, as the reference) survive each step, and the finished beams
-(best first) become the tree, shared prefixes once. Requests that sample draw
-``beam_width`` beams independently from the drafter's distribution instead, each its own
-chain below the root; the core verifies them by recursive rejection sampling over
-i.i.d. siblings, so sampled output keeps the target's distribution (a beam search's
-deterministic picks would be lossless too, but accept less often under sampling).
+Greedy and seeded requests get the beam search of the reference: every beam starts from
+the token the target just produced, the ``beam_width`` best continuations by cumulative
+log-probability (top-50 scores, as the reference) survive each step, and the finished
+beams (best first) become the tree, shared prefixes once. Requests that sample without a
+seed draw ``beam_width`` beams independently from the drafter's distribution instead,
+each its own chain below the root; the core verifies them by recursive rejection
+sampling over i.i.d. siblings, so sampled output keeps the target's distribution (a beam
+search's deterministic picks would be lossless too, but accept less often under
+rejection sampling; a seeded request keeps only drafts equal to the target's own draw).
 """
 
 from __future__ import annotations
