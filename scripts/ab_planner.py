@@ -4,7 +4,7 @@ with planner attributes of its own, over a prompt set in batches.
     .venv/bin/python scripts/ab_planner.py ngram --variant request_prior_weight=3 \\
         --variant request_prior_weight=1 [--dataset benchmarks/diverse.jsonl |
         --categories code_editing qa_over_text] [--batch-size 8] [--repetitions 3]
-        [--max-tokens 96] [--threads 2]
+        [--max-tokens 96] [--threads 2] [--temperature 0.7 --top-p 0.9]
 
 What ``specdec bench`` does for methods, for settings that are not configuration: the
 batches are interleaved one by one in an order that rotates, multi-turn conversations go
@@ -55,6 +55,14 @@ def add_prompt_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+
+
+def sampling_of(args: argparse.Namespace) -> SamplingParams:
+    """The requests' sampling (``add_prompt_options``), seeded: a request's output is then
+    the same whatever was drafted, as under greedy decoding."""
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=0)
 
 
 def conversations_of(args: argparse.Namespace) -> list:
@@ -80,7 +88,7 @@ def main() -> None:
     variants = [parse_settings(v) for v in args.variant] or [{}]
     labels = ["plain"] + [f"{i} {args.method} {','.join(f'{k}={v:g}' for k, v in v.items()) or 'defaults'}"
                           for i, v in enumerate(variants, start=1)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=0)
+    params = sampling_of(args)
     results = {label: CategoryResult() for label in labels}
     batch_seconds: dict[tuple[str, int], float] = {}
     answers: dict[str, list[list[int]]] = {}

@@ -3,7 +3,7 @@ engines side by side on one prompt set, batch by batch in a rotating order.
 
     .venv/bin/python scripts/planner_overhead.py eagle3 [--depth 1] [--option use_dynamic_tree=false]
         [--dataset benchmarks/diverse.jsonl | --categories ...] [--batch-size 1] [--max-tokens 128]
-        [--repetitions 2]
+        [--repetitions 2] [--temperature 0.7 --top-p 0.9]
 
 - ``plain``: no drafts;
 - ``fixed``: the method drafting ``--depth`` levels every step (``adaptive: false``);
@@ -23,7 +23,7 @@ import time
 
 import torch
 import yaml
-from ab_planner import add_prompt_options, conversations_of
+from ab_planner import add_prompt_options, conversations_of, sampling_of
 
 from specdec import LLM, SamplingParams
 from specdec.bench.runner import WARMUP
@@ -54,7 +54,7 @@ def main() -> None:
     llms = engines(args.method, args.depth, options)
     for llm in llms.values():
         llm.chat([WARMUP], SamplingParams(max_tokens=4, temperature=0.0))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = sampling_of(args)
     names = list(llms)
     # steps: engine steps, a batch's being its longest request's (its requests start together)
     tokens, seconds, steps = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
