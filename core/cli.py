@@ -196,7 +196,7 @@ def _json_schema(path: str | None) -> dict | None:
 
 
 def cmd_bench(args) -> int:
-    from .bench.runner import numerics_line, plot, print_table, run_bench, write_json
+    from .bench.runner import numerics_line, plot, print_table, run_bench, sampling_line, write_json
 
     try:
         report = run_bench(_resolve_config(args), args.methods, args.dataset, args.categories, args.batch_size,
@@ -207,7 +207,7 @@ def cmd_bench(args) -> int:
         raise SpecdecError(str(exc)) from None
     quantized = f" ({report['quantization']} weights)" if report["quantization"] else ""
     print(f"# {report['model']}, {report['dtype']}{quantized} on {report['device']}, {report['threads']} threads, "
-          f"batch {report['batch_size']}, temperature {report['temperature']}, max {report['max_tokens']} tokens, "
+          f"batch {report['batch_size']}, {sampling_line(report)}, max {report['max_tokens']} tokens, "
           f"{numerics_line(report)}")
     print_table(report)
     if args.json:

@@ -124,6 +124,28 @@ def test_systems_take_turns_batch_by_batch_in_a_rotating_order(tmp_path, monkeyp
     assert len(plain["tokens_per_s_by_repetition"]) == 2 and plain["tokens"] == 2 * 4 * 2
 
 
+def test_requests_sample_as_the_command_line_and_config_say(tmp_path, monkeypatch):
+    """``--top-p``, ``--top-k`` and ``--seed`` reach every request (seed 0 where none is
+    given, so that seeded speculative output can be compared with plain decoding's), and
+    the header says how the run sampled."""
+    from specdec.bench import runner as bench
+    from specdec.cli import _resolve_config, build_parser
+
+    seen = []
+    monkeypatch.setattr(bench, "run_llm", lambda llm, conversations, params, batch_size, res: seen.append(params))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "Say one."}) + "\n")
+    for flags, want in ((["--top-p", "0.9", "--top-k", "40", "--seed", "7"], (0.9, 40, 7)), ([], (1.0, 0, 0))):
+        seen.clear()
+        args = build_parser().parse_args(["bench", "--dataset", str(data), "--set", "engine.compile=false", *flags])
+        report = bench.run_bench(_resolve_config(args), [], str(data), None, batch_size=1, temperature=0.7,
+                                 max_tokens=2, repetitions=1, compare_hf=False)
+        assert {(p.top_p, p.top_k, p.seed, p.temperature, p.max_tokens) for p in seen} == {(*want, 0.7, 2)}
+        assert (report["top_p"], report["top_k"], report["seed"]) == want
+    assert bench.sampling_line(report) == "temperature 0.7, seed 0"
+    assert bench.sampling_line({**report, "top_p": 0.9, "top_k": 40}) == "temperature 0.7, top_p 0.9, top_k 40, seed 0"
+
+
 def test_a_multi_turn_set_answers_each_turn_with_the_answers_before_it(tmp_path, monkeypatch):
     """``{"turns": [...]}`` lines: each turn goes out with the earlier turns and the method's
     own answers to them, turn by turn across the batch; single-turn lines beside them."""

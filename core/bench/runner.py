@@ -438,13 +438,18 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
               assistant_layers: int = 6, compare_llama_cpp: str | None = None, json_schema: dict | None = None,
               llama_cpp_bin: str | None = None) -> dict:
     """``compare_llama_cpp``: ``bindings`` (llama-cpp-python) or ``native`` (llama-server and
-    llama-bench, built once if needed, with the bindings too where installed)."""
+    llama-bench, built once if needed, with the bindings too where installed). Requests
+    sample as ``base.sampling`` says (``--top-p``, ``--top-k``, ``--seed`` and a config
+    file's ``sampling``) at ``temperature``, for ``max_tokens``, with seed 0 where it gives
+    none: a seeded method's output is then plain decoding's, which the table checks."""
     from tqdm import tqdm  # the progress bar `specdec train` uses too: rate and ETA
 
     prompt_sets = _prompt_sets(dataset, categories, batch_size)
     gguf = _check_comparisons(base, prompt_sets, compare_hf, compare_llama_cpp, json_schema)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0,
-                            structured_outputs={"json": json_schema} if json_schema is not None else None)
+    given = base.sampling
+    params = attrs.evolve(given, max_tokens=max_tokens, temperature=temperature,
+                          seed=given.seed if given.seed is not None else 0,
+                          structured_outputs={"json": json_schema} if json_schema is not None else None)
     names = ["plain"] + [m for m in methods if m != "plain"]
     configs = dict(method_config(base, m) for m in names)
 
@@ -500,11 +505,20 @@ def run_bench(base: SpecdecConfig, methods: list[str], dataset: str | None, cate
     return {"model": plain.target.name, "dtype": str(plain.dtype).replace("torch.", ""), "device": str(plain.device),
             "quantization": plain.config.engine.quantization, "threads": torch.get_num_threads(),
             "batch_size": batch_size,
-            "temperature": temperature, "max_tokens": max_tokens, "repetitions": repetitions,
+            "temperature": temperature, "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
+            "max_tokens": max_tokens, "repetitions": repetitions,
             "json_schema": json_schema is not None,
             "categories": list(prompt_sets), "results": results, "llama_cpp_best": llama_cpp_best,
             "llama_bench": bench_figures,
             "batch_invariant": {label: llm.engine.batch_invariant for label, llm in llms.items()}}
+
+
+def sampling_line(report: dict) -> str:
+    """How the requests sampled, for the table's header: the settings that shape the
+    distribution (top-p and top-k where they cut it) and the seed."""
+    cuts = [f"top_p {report['top_p']}" if report["top_p"] < 1.0 else "",
+            f"top_k {report['top_k']}" if report["top_k"] else ""]
+    return ", ".join([f"temperature {report['temperature']}", *filter(None, cuts), f"seed {report['seed']}"])
 
 
 def numerics_line(report: dict) -> str:
