@@ -66,32 +66,34 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 #: likeliest tokens a row's nucleus is first looked for among (doubled until it fits)
 NUCLEUS_WINDOW = 64
+#: the widest window before the whole row: selecting more costs as much as a sort
+NUCLEUS_WINDOW_MAX = 1024
 
 
-def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def nucleus_floor(probs: torch.Tensor, top_p: float, window: int = NUCLEUS_WINDOW) -> torch.Tensor:
     """``[rows, 1]``: each row's smallest probability inside its top-p nucleus.
 
     A token is in the nucleus when the tokens strictly likelier than it hold less than
     ``top_p`` of the mass, so tokens of equal probability are in or out together (the
     nucleus does not depend on how a sort orders ties) and the likeliest token always is.
-    The nucleus is looked for among a row's :data:`NUCLEUS_WINDOW` likeliest tokens, the
-    window doubling for the rows whose nucleus reaches its end: a partial selection
-    instead of a sort of the vocabulary, which costs milliseconds a row on a CPU.
+    The nucleus is looked for among a row's ``window`` likeliest tokens, the window
+    doubling for the rows whose nucleus reaches its end (up to :data:`NUCLEUS_WINDOW_MAX`,
+    then the whole row): a partial selection instead of a sort of the vocabulary, which
+    costs milliseconds a row on a CPU (a flat row, whose nucleus is thousands of tokens,
+    costs up to about 1.6 sorts).
     """
-    vocab = probs.shape[-1]
-    floor = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
-    rows = torch.arange(probs.shape[0], device=probs.device)
-    k = NUCLEUS_WINDOW
-    while len(rows):
-        k = min(k, vocab)
-        top = probs[rows].topk(k, dim=-1).values  # descending
-        # the last value with less than top_p before it (in the window's order) is the floor:
-        # its equals after it in that order, whatever their mass, are not below it
-        inside = (top.cumsum(-1) - top < top_p).sum(-1)
-        found = (inside < k) | (k == vocab)
-        # (a top_p that float32 rounds to 0 leaves nothing inside: the likeliest token is the floor)
-        floor[rows[found], 0] = top[found].gather(-1, (inside[found] - 1).clamp(min=0)[:, None])[:, 0]
-        rows, k = rows[~found], 2 * k
+    window = min(window, probs.shape[-1])
+    whole = window == probs.shape[-1]  # a sort of the whole row is faster than a selection of all of it
+    top = (probs.sort(dim=-1, descending=True) if whole else probs.topk(window, dim=-1)).values
+    # the last value with less than top_p before it (in the window's order) is the floor: its
+    # equals after it in that order, whatever their mass, are not below it (a top_p that
+    # float32 rounds to 0 leaves nothing inside: the likeliest token is the floor)
+    inside = (top.cumsum(-1) - top < top_p).sum(-1, keepdim=True)
+    floor = top.gather(-1, (inside - 1).clamp(min=0))
+    wider = (inside[:, 0] == window) & (not whole)
+    if wider.any():
+        floor[wider] = nucleus_floor(probs[wider], top_p,
+                                     2 * window if 2 * window <= NUCLEUS_WINDOW_MAX else probs.shape[-1])
     return floor
 
 

@@ -100,6 +100,9 @@ def test_tied_probabilities_are_in_or_out_of_the_nucleus_together():
     # row 0: 0.4 lies above each 0.2, less than 0.5, so every 0.2 is in (a sort would keep one of them)
     assert kept == [[True, True, True, True], [True, True, True, True], [False, True, False, True]]
     assert (probs >= nucleus_floor(probs, 1e-30)).tolist()[0] == [True, False, False, False]
+    # a group of equals wider than the first window is kept whole, those beyond it too
+    wide = torch.cat([torch.full((100,), 0.008), torch.full((100,), 0.002)])[None]
+    assert (wide >= nucleus_floor(wide, 0.3)).sum() == 100 and (wide >= nucleus_floor(wide, 0.81)).sum() == 200
 
 
 def test_only_requests_verified_by_rejection_sampling_draw_their_drafts():
