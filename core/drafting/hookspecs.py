@@ -141,7 +141,10 @@ def prepare_draft_tokens(requests: list[Request], draft_lens: list[int],
 
     :param requests: the requests; ``request.token_ids`` holds prompt and accepted output,
         ``request.drafter_state`` is a dict the drafter may keep per-request state in, and
-        ``request.generator`` the request's seeded ``torch.Generator`` for sampling drafts.
+        ``request.generator`` the request's seeded ``torch.Generator`` for sampling drafts
+        (worth it where ``request.sampling_params.draws_drafts``: greedy and seeded requests
+        keep a draft only where it equals the target's own token, so their best draft is
+        the drafter's likeliest, and its distribution goes unread).
     :param draft_lens: the most draft tokens (tree: most depth) each request may get this
         step: the adaptive planner's choice, or the draft-length schedule's and the
         acceptance-based switch's where those are configured.
