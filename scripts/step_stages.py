@@ -19,6 +19,9 @@ import argparse
 import collections
 import time
 
+import torch
+from ab_planner import add_prompt_options, sampling_of
+
 from specdec import LLM, SamplingParams
 from specdec.bench.runner import WARMUP, CategoryResult, _prompt_sets, run_llm
 
@@ -51,15 +54,12 @@ def timed(engine, seconds: collections.Counter) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("methods", nargs="+", help="plain or a decoding type")
-    parser.add_argument("--dataset")
-    parser.add_argument("--categories", nargs="*")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    add_prompt_options(parser)
+    parser.set_defaults(batch_size=1, max_tokens=128)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     sets = _prompt_sets(args.dataset, args.categories, args.batch_size)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=0)
+    params = sampling_of(args)
     for method in args.methods:
         llm = LLM(speculative_config=None if method == "plain" else {"decoding_type": method})
         llm.generate([llm.apply_chat_template(WARMUP)], SamplingParams(max_tokens=4, temperature=0.0))
