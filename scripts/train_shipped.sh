@@ -109,3 +109,27 @@ $SPECDEC train mtp --data .train/w4a8/mixed.jsonl --out .train/w4a8/mtp --quanti
 dest=plugins/spec_mtp/specdec_mtp/weights/smollm2-135m-instruct-mtp
 cp .train/w4a8/mtp/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
 $PY scripts/store_int8.py "$dest/model.safetensors"
+# 12. EAGLE-3 once more, on the w4a8 target's answers (160 tokens) and features to 3,785
+#     prompts step 9 left out (self-written prompts 1600-2950, the second self-written set's
+#     first 1650, templated prompts 1600-2383; shuffled, seed 1), fine-tuned from step 9's
+#     head (`--init default`) 2 epochs at half its lr. It replaces step 9's head.
+$PY scripts/make_mixed_prompts.py --take train_prompts/self_instruct.jsonl:1600-2951 \
+    --take train_prompts/self_instruct_2.jsonl:1650 --take train_prompts/prompts.jsonl:1600-2384 \
+    --held-out train_prompts/prompts.jsonl --seed 1 --out .train/w4a8b/mixed.jsonl
+$SPECDEC train eagle3 --data .train/w4a8b/mixed.jsonl --out .train/w4a8b/eagle3 --quantization w4a8 --init default \
+    --epochs "${EAGLE_EPOCHS:-2}" --batch-size 8 --lr 5e-4 --max-new-tokens 160 --set draft_vocab_size=4096 \
+    --gen-batch-size 32 --save-every 100 ${RESUME:+--resume}
+dest=plugins/spec_eagle/specdec_eagle/weights/smollm2-135m-instruct-eagle3
+cp .train/w4a8b/eagle3/{config.json,model.safetensors} "$dest/"
+$PY scripts/store_int8.py "$dest/model.safetensors"
+# 13. MTP once more: step 11's module fine-tuned (`--init default`) on step 12's answers and
+#     the final-norm states of its feature store, 1 epoch at step 11's lr. It replaces step
+#     11's module.
+mkdir -p .train/w4a8b/mtp
+cp -n .train/w4a8b/eagle3/samples.jsonl .train/w4a8b/mtp/ || true
+ln -sfn ../eagle3/features .train/w4a8b/mtp/features
+$SPECDEC train mtp --data .train/w4a8b/mixed.jsonl --out .train/w4a8b/mtp --quantization w4a8 --init default \
+    --epochs "${MTP_EPOCHS:-1}" --batch-size 8 --lr 3e-4 --save-every 100 ${RESUME:+--resume}
+dest=plugins/spec_mtp/specdec_mtp/weights/smollm2-135m-instruct-mtp
+cp .train/w4a8b/mtp/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
+$PY scripts/store_int8.py "$dest/model.safetensors"
