@@ -22,7 +22,7 @@ needs_exact_packing = pytest.mark.skipif(not PACKS, reason="the reordered produc
 def without_the_linear_kernel(monkeypatch):
     """This file checks oneDNN's packing; where oneDNN refuses it (no bfloat16 instructions)
     layers get specdec's linear kernel instead, which ``tests/kernels/test_cpu_linear.py`` checks."""
-    from specdec.kernels import invariant
+    from specdec.numerics import invariant
 
     monkeypatch.setattr(prepacked, "linear_kernel_fits", lambda weight: False)
     monkeypatch.setattr(invariant, "linear_kernel_fits", lambda weight: False)
