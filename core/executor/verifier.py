@@ -21,15 +21,7 @@ import torch
 
 from ..drafting.interface import StepResult
 from ..kernels import argmax_rows
-from ..sampler import (
-    Verdict,
-    probs_from_logits,
-    shape_logits,
-    verify_greedy,
-    verify_greedy_batch,
-    verify_sampled,
-    verify_seeded,
-)
+from ..sampler import TargetRows, Verdict, verify_greedy, verify_greedy_batch, verify_sampled, verify_seeded
 from ..sampler.grammar import apply_masks
 from ..sampling_params import SamplingParams
 from .request import Request
@@ -100,36 +92,28 @@ class Verifier:
         verdicts = verify_greedy_batch(argmax, [it.proposal for it in chosen])
         return {id(it): v for it, v in zip(chosen, verdicts)}
 
-    def _probs(self, req: Request, logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
-        params = req.sampling_params
-        return probs_from_logits(shape_logits(logits, histories, params, req.prompt_len, self.eos_token_ids), params)
+    def _rows(self, req: Request, it: StepItem, logits: torch.Tensor) -> TargetRows:
+        rows = logits[it.logits_from:it.logits_from + 1 + it.num_nodes]
+        return TargetRows(rows, req.token_ids, it.proposal, req.sampling_params, req.prompt_len, self.eos_token_ids)
 
     def _sample_first(self, req: Request, it: StepItem, logits: torch.Tensor) -> list[int]:
-        probs = self._probs(req, logits[it.logits_from:it.logits_from + 1], [req.token_ids])
-        return self._sampled(req, probs, None).tokens
+        return self._sampled(req, self._rows(req, it, logits), None).tokens
 
     def _verify(self, req: Request, it: StepItem, logits: torch.Tensor) -> Verdict:
         params, prop = req.sampling_params, it.proposal
-        histories = [req.token_ids]
-        if prop is not None:
-            paths: list[list[int]] = []
-            for tok, parent in zip(prop.token_ids, prop.parents):
-                paths.append((paths[parent] if parent >= 0 else []) + [tok])
-            histories += [req.token_ids + p for p in paths]
-        rows = logits[it.logits_from:it.logits_from + 1 + it.num_nodes]
-        probs = self._probs(req, rows, histories)
+        rows = self._rows(req, it, logits)
         if prop is not None and self.acceptance_rule is not None:
-            verdict = self.acceptance_rule.verify(probs, rows, prop, req)
+            verdict = self.acceptance_rule.verify(rows.all(), rows.logits, prop, req)
             if verdict is not None:  # None: outside the rule's scope, verified exactly below
                 req.metrics.lossless = False
                 return verdict
         if params.greedy:  # greedy with penalties or biases, or outside a lossy rule's scope
-            return verify_greedy(argmax_rows(probs).tolist(), prop)
-        return self._sampled(req, probs, prop)
+            return verify_greedy(argmax_rows(rows.all()).tolist(), prop)
+        return self._sampled(req, rows, prop)
 
     @staticmethod
-    def _sampled(req: Request, probs: torch.Tensor, prop) -> Verdict:
+    def _sampled(req: Request, rows: TargetRows, prop) -> Verdict:
         seed = req.sampling_params.seed
         if seed is not None:
-            return verify_seeded(probs, prop, seed, len(req.token_ids))
-        return verify_sampled(probs, prop, req.generator)
+            return verify_seeded(rows, prop, seed, len(req.token_ids))
+        return verify_sampled(rows, prop, req.generator)

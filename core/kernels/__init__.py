@@ -15,8 +15,10 @@ import torch
 from .argmax import argmax_rows
 from .attention import gather_context, grouped_attention, paged_attention_torch
 from .cpu import invariant_attention_cpu
+from .cpu import inverse_cdf as inverse_cdf_cpu
 from .cpu import kernel_available as cpu_kernel_available
 from .cpu import kernel_fits as cpu_kernel_fits
+from .cpu import sampling_probs as sampling_probs_cpu
 from .invariant_attention import invariant_attention_torch
 from .kv_copy import copy_kv_slots_torch
 from .prepacked import prepack_linear, prepack_linears
@@ -143,6 +145,7 @@ def __getattr__(name: str):  # names that moved out, for one release
     return moved_attribute(__name__, name)
 
 
-__all__ = ["KernelError", "argmax_rows", "chain_rejection", "copy_kv_slots", "gather_context", "greedy_tree_verify",
-           "grouped_attention", "invariant_attention", "invariant_attention_is_kernel", "paged_attention",
-           "paged_attention_is_triton", "prepack_linear", "prepack_linears", "use_triton"]
+__all__ = ["KernelError", "argmax_rows", "chain_rejection", "copy_kv_slots", "cpu_kernel_available", "gather_context",
+           "greedy_tree_verify", "grouped_attention", "invariant_attention", "invariant_attention_is_kernel",
+           "inverse_cdf_cpu", "paged_attention", "paged_attention_is_triton", "prepack_linear", "prepack_linears",
+           "sampling_probs_cpu", "use_triton"]

@@ -1,8 +1,9 @@
 """specdec's CPU kernels, compiled once per machine at first use with torch's C++ extension
 builder (10-20 s; the result is cached under torch's extensions directory): the
 batch-invariant attention (``invariant_attention.cpp``), bfloat16 linear layers for CPUs
-without bfloat16 instructions (``bf16_linear.cpp``) and quantized linear layers with
-integer dot products (``int8_dot.cpp``, :mod:`.int8_dot`).
+without bfloat16 instructions (``bf16_linear.cpp``), quantized linear layers with
+integer dot products (``int8_dot.cpp``, :mod:`.int8_dot`) and sampling distributions and
+draws (``sampling.cpp``).
 
 Why a kernel of our own: the torch version (:func:`.invariant_attention.invariant_attention_torch`)
 must lay every key row out as plain decoding does and reduce over it with library
@@ -28,7 +29,9 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCES = [pathlib.Path(__file__).with_name(name)
-           for name in ("invariant_attention.cpp", "bf16_linear.cpp", "int8_dot.cpp")]
+           for name in ("invariant_attention.cpp", "bf16_linear.cpp", "int8_dot.cpp", "sampling.cpp")]
+#: headers the sources include: the builder hashes only the sources, so the build's name carries these
+HEADERS = [pathlib.Path(__file__).with_name("vector_math.h")]
 
 
 def _machine_tag() -> str:
@@ -42,6 +45,10 @@ def _machine_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+def _headers_tag() -> str:
+    return hashlib.sha1(b"".join(header.read_bytes() for header in HEADERS)).hexdigest()[:8]
+
+
 @functools.cache
 def kernel_available() -> bool:
     """Whether the CPU kernels are built and registered (``torch.ops.specdec_cpu``); builds
@@ -52,7 +59,7 @@ def kernel_available() -> bool:
         from torch.utils.cpp_extension import load
 
         # no -ffast-math: GCC links it with a start-up file that flushes denormals process-wide
-        load(name=f"specdec_cpu_{_machine_tag()}", sources=[str(source) for source in SOURCES],
+        load(name=f"specdec_cpu_{_machine_tag()}_{_headers_tag()}", sources=[str(source) for source in SOURCES],
              extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch version serves
@@ -157,3 +164,22 @@ def kernel_linear_forward(module: torch.nn.Linear) -> functools.partial:
     """A forward for ``module`` on the linear kernel (its weight and bias read, not copied)."""
     return functools.partial(kernel_linear, weight=module.weight.detach(),
                              bias=None if module.bias is None else module.bias.detach())
+
+
+# -- sampling ---------------------------------------------------------------------------
+#
+# Why: a sampled step computes a distribution for every row it verifies and every token it
+# drafts, and torch takes a dozen operations and a top-k selection a row, most of a
+# millisecond on a small CPU, several times a step (``scripts/bench_sampling_kernel.py``).
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """:func:`specdec.sampler.logits.probs_from_logits` of sampled requests, on the kernel:
+    ``logits`` ``[rows, vocab]`` float32 on the CPU; ``top_k`` 0 for none."""
+    return torch.ops.specdec_cpu.sampling_probs(logits, float(temperature), int(top_k), float(top_p), float(min_p))
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """:func:`specdec.sampler.acceptance.sample_by_uniforms` on the kernel: ``probs``
+    ``[rows, vocab]`` float32 on the CPU, one uniform number a row."""
+    return torch.ops.specdec_cpu.inverse_cdf(probs, torch.tensor(uniforms, dtype=torch.float64))

@@ -28,28 +28,15 @@
 #include <immintrin.h>
 #endif
 
+#include "vector_math.h"
+
 namespace {
 
-// LANES floats as one value of GCC's vector extension: one register, 16 floats where the
-// machine has AVX-512, else 8 (AVX2: the reductions' shuffles across the two halves of a
-// 16-lane vector took most of the kernel's time there: a 12-token verification over 500
-// keys cost 1.5 ms a layer against 0.64 with 8 lanes, scripts/bench_attention_kernel.py).
-#if defined(__AVX512F__)
-constexpr int64_t LANES = 16;
-#else
-constexpr int64_t LANES = 8;
-#endif
+using namespace specdec_cpu;
+using specdec_cpu::load_lanes;  // overloaded below for 16-bit pools
 
-typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t lane_index_t __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint16_t half_lanes_t __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef uint32_t wide_lanes_t __attribute__((vector_size(LANES * sizeof(uint32_t))));
-
-inline lanes_t load_lanes(const float* p) {
-  lanes_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // A pool's 16-bit elements widened to float (exact either way). With AVX-512, one widening
 // instruction for the 16 lanes: GCC lowers the generic conversion through 8-lane halves
@@ -76,23 +63,6 @@ inline lanes_t load_lanes(const c10::Half* p) {
   for (int64_t l = 0; l < LANES; ++l) wide[l] = static_cast<float>(p[l]);
   return load_lanes(wide);
 #endif
-}
-
-inline void store_lanes(float* p, lanes_t v) { std::memcpy(p, &v, sizeof(v)); }
-
-// the LANES partial sums added pairwise: lane l + LANES/2 into lane l, then l + LANES/4, ..., l + 1
-inline float reduce_lanes(lanes_t v) {
-#if defined(__AVX512F__)
-  v += __builtin_shuffle(v, lane_index_t{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, lane_index_t{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, lane_index_t{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, lane_index_t{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-#else
-  v += __builtin_shuffle(v, lane_index_t{4, 5, 6, 7, 0, 1, 2, 3});
-  v += __builtin_shuffle(v, lane_index_t{2, 3, 0, 1, 6, 7, 4, 5});
-  v += __builtin_shuffle(v, lane_index_t{1, 0, 3, 2, 5, 4, 7, 6});
-#endif
-  return v[0];
 }
 
 // A token's key row is attended in chunks of KEY_CHUNK keys (whole blocks of LANES), each
@@ -170,25 +140,6 @@ inline void weigh_values(const float* p, const T* const* rows, int64_t n, int64_
       for (int h = 0; h < NH; ++h) store_lanes(a[h] + c, sum[h]);
     }
   }
-}
-
-// exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-6 polynomial), in a
-// form the compiler vectorizes; below -87 it gives 2^-126 instead of a subnormal.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  x = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * x * x + x + 1.0f;
-  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof(float));
-  return y * scale;
 }
 
 // What one chunk of a query head's key row gives: the largest score (-inf where every key

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import argmax_rows
+from ..drafting.interface import DraftProposal
+from ..kernels import argmax_rows, cpu_kernel_available, sampling_probs_cpu
 from ..sampling_params import SamplingParams
 from .acceptance import draw
 
@@ -47,12 +48,22 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     """Sampling distribution ``[rows, vocab]`` (float32) after temperature, top-k, top-p, min-p.
 
     Call it on draft logits too, so that draft and target distributions match in kind.
-    Greedy requests (temperature 0) get a one-hot distribution of the argmax.
+    Greedy requests (temperature 0) get a one-hot distribution of the argmax. On a CPU
+    with specdec's kernels built, the sampling kernel computes it (the same rules, a few
+    passes over a row instead of a dozen operations); elsewhere :func:`probs_from_logits_torch`.
     """
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(argmax_rows(logits), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    if logits.device.type == "cpu" and cpu_kernel_available():
+        return sampling_probs_cpu(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    return probs_from_logits_torch(logits, params)
+
+
+def probs_from_logits_torch(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """:func:`probs_from_logits` of a sampled request in torch operations: the reference
+    the sampling kernel is tested against, and the version off the CPU."""
+    logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -62,6 +73,53 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs / probs.sum(-1, keepdim=True)
+
+
+class TargetRows:
+    """A request's target distributions for one step, each row computed when first read.
+
+    Row 0 is the root's, row ``k + 1`` draft node ``k``'s, each after :func:`shape_logits`
+    (with the history of its own path) and :func:`probs_from_logits`. Rejection sampling
+    reads only the rows of the nodes on the path it walks, and a row costs a pass over the
+    whole vocabulary several times over, so a sampled step computes the rows it reads and
+    not the rest; :meth:`all` gives every row at once where a rule needs them all.
+    """
+
+    def __init__(self, logits: torch.Tensor, history: list[int], proposal: DraftProposal | None,
+                 params: SamplingParams, prompt_len: int, end_ids: frozenset[int]):
+        self.logits, self.history, self.proposal = logits, history, proposal
+        self.params, self.prompt_len, self.end_ids = params, prompt_len, end_ids
+        self._rows: dict[int, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.logits.device
+
+    def __len__(self) -> int:
+        return self.logits.shape[0]
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if row not in self._rows:
+            self._rows[row] = self._probs(self.logits[row:row + 1], [self._history(row)])[0]
+        return self._rows[row]
+
+    def all(self) -> torch.Tensor:
+        """``[rows, vocab]``: every row's distribution, computed together."""
+        return self._probs(self.logits, [self._history(row) for row in range(len(self))])
+
+    def _probs(self, logits: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
+        shaped = shape_logits(logits, histories, self.params, self.prompt_len, self.end_ids)
+        return probs_from_logits(shaped, self.params)
+
+    def _history(self, row: int) -> list[int]:
+        """The tokens before row ``row``'s distribution: the request's, then its node's path."""
+        if not self.params.shapes_logits or row == 0:
+            return self.history  # read only by shape_logits, and only when the params shape logits
+        path, node = [], row - 1
+        while node >= 0:
+            path.append(self.proposal.token_ids[node])
+            node = self.proposal.parents[node]
+        return self.history + path[::-1]
 
 
 #: likeliest tokens a row's nucleus is first looked for among (doubled until it fits)

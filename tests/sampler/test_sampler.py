@@ -16,6 +16,7 @@ import specdec.sampler.acceptance as acceptance
 from specdec import DraftProposal, SamplingParams
 from specdec.errors import FieldError
 from specdec.sampler import (
+    TargetRows,
     nucleus_floor,
     pick_draft_token,
     probs_from_logits,
@@ -375,3 +376,30 @@ def test_lossy_rules_are_opt_in_per_method_config():
                                                    "relaxed_topk": 3, "begin_thinking_phase_token": 7,
                                                    "end_thinking_phase_token": 8}}).speculative_config
     assert mtp.acceptance_rule().topk == 3
+
+
+def test_target_rows_are_computed_when_read_each_from_its_own_path(monkeypatch):
+    """A row read alone is the row computed with all the others (penalties over its own
+    path's history), and rejection sampling computes only the rows its walk reads: here
+    the target gives the root's children no chance, so only the root's row."""
+    import specdec.sampler.logits as sampler_logits
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    tree = DraftProposal(token_ids=[3, 5, 6, 8, 9], parents=[-1, -1, 1, 1, 3])
+    params = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.5)
+    rows = TargetRows(logits, [1, 2, 5, 7], tree, params, prompt_len=2, end_ids=frozenset({0}))
+    together = rows.all()
+    assert all(torch.equal(rows[r], together[r]) for r in (4, 0, 5))
+    assert not torch.equal(together[2], TargetRows(logits, [1, 2, 5, 7], tree, params, 2, frozenset({0})).all()[1])
+
+    computed = []
+    real = sampler_logits.probs_from_logits
+    monkeypatch.setattr(sampler_logits, "probs_from_logits", lambda x, p: computed.append(len(x)) or real(x, p))
+    logits[0, [3, 5]] = -inf
+    verdict = verify_sampled(TargetRows(logits, [1, 2], tree, params, 2, frozenset({0})), tree, gen)
+    assert verdict.accepted_nodes == [] and verdict.tokens[0] not in (3, 5)
+    assert computed == [1]
+    computed.clear()
+    verify_seeded(TargetRows(logits, [1, 2], tree, params, 2, frozenset({0})), tree, seed=3, position=2)
+    assert computed == [1]
