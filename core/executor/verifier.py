@@ -87,8 +87,10 @@ class Verifier:
                   and (it.proposal is None or self.acceptance_rule is None)]
         if not chosen:
             return {}
-        rows = torch.cat([torch.arange(it.logits_from, it.logits_from + 1 + it.num_nodes) for it in chosen])
-        argmax = argmax_rows(logits).index_select(0, rows.to(logits.device))
+        rows = [row for it in chosen for row in range(it.logits_from, it.logits_from + 1 + it.num_nodes)]
+        argmax = argmax_rows(logits)
+        if rows != list(range(len(argmax))):  # other rows in the step: pick the chosen ones
+            argmax = argmax.index_select(0, torch.tensor(rows, device=argmax.device))
         verdicts = verify_greedy_batch(argmax, [it.proposal for it in chosen])
         return {id(it): v for it, v in zip(chosen, verdicts)}
 

@@ -22,11 +22,13 @@ follows row ``r``'s token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 
 from ..drafting.interface import DraftProposal
-from ..kernels import chain_rejection, cpu_kernel_available, greedy_tree_verify, inverse_cdf_cpu
+from ..kernels import chain_rejection, cpu_kernel_available, greedy_tree_verify, inverse_cdf_cpu, use_triton
 
 
 @attrs.define
@@ -60,11 +62,19 @@ def _pack(proposals: list[DraftProposal | None], device) -> tuple:
 
 
 def verify_greedy_batch(target_tokens: torch.Tensor, proposals: list[DraftProposal | None]) -> list[Verdict]:
-    """Greedy verification of many requests at once (one kernel on CUDA).
+    """Greedy verification of many requests at once (one kernel on CUDA; elsewhere the
+    walk of :func:`follow_tokens` over the rows' tokens as a list, which the kernel's torch
+    reference would pack the proposals into tensors for).
 
     ``target_tokens``: the argmax of every row, packed request after request (root row,
     then one row per draft node).
     """
+    if not use_triton(target_tokens, "greedy_tree_verify_triton"):
+        tokens, verdicts, first = target_tokens.tolist(), [], 0
+        for prop in proposals:
+            verdicts.append(follow_tokens(prop, lambda row, depth, first=first: tokens[first + row]))
+            first += 1 + (len(prop.token_ids) if prop is not None else 0)
+        return verdicts
     max_nodes = max((len(p.token_ids) for p in proposals if p is not None), default=1)
     max_depth = max((p.depth for p in proposals if p is not None), default=0)
     path, accepted, bonus = greedy_tree_verify(target_tokens, *_pack(proposals, target_tokens.device),
@@ -75,6 +85,22 @@ def verify_greedy_batch(target_tokens: torch.Tensor, proposals: list[DraftPropos
         nodes = path[b][:accepted[b]]
         verdicts.append(Verdict(nodes, [prop.token_ids[n] for n in nodes] + [bonus[b]]))
     return verdicts
+
+
+def follow_tokens(proposal: DraftProposal | None, token_of_row: Callable[[int, int], int]) -> Verdict:
+    """From the root, follow the first child whose token is the one its parent's row gives
+    (``token_of_row(row, depth)``: row 0 the root's, row ``k + 1`` node ``k``'s, at
+    ``depth`` accepted tokens), until no child has it; that token ends the verdict. The
+    walk reads only the rows on its path."""
+    kids = children_of(proposal.parents if proposal is not None else [])
+    node, accepted = -1, []
+    while True:
+        token = token_of_row(node + 1, len(accepted))
+        child = next((k for k in kids[node] if proposal.token_ids[k] == token), None)
+        if child is None:
+            return Verdict(accepted, [proposal.token_ids[n] for n in accepted] + [token])
+        accepted.append(child)
+        node = child
 
 
 def verify_greedy(target_tokens: list[int], proposal: DraftProposal | None) -> Verdict:
@@ -173,18 +199,11 @@ def sample_by_uniforms(probs: torch.Tensor, uniforms: list[float]) -> torch.Tens
 def verify_seeded(target_probs, proposal: DraftProposal | None, seed: int, position: int) -> Verdict:
     """Seeded verification (see the module docstring): row 0 draws the token at sequence
     position ``position``, a draft node's row the one after it, each with its position's
-    uniform number; the walk follows the first child whose token is the draw, reading
-    only the rows on its path (``target_probs`` as in :func:`verify_sampled`)."""
-    kids = children_of(proposal.parents if proposal is not None else [])
-    node, accepted = -1, []
-    while True:
-        row = target_probs[node + 1]
-        token = int(sample_by_uniforms(row[None], [position_uniform(seed, position + len(accepted))])[0])
-        child = next((k for k in kids[node] if proposal.token_ids[k] == token), None)
-        if child is None:
-            return Verdict(accepted, [proposal.token_ids[n] for n in accepted] + [token])
-        accepted.append(child)
-        node = child
+    uniform number; the walk follows the first child whose token is the draw
+    (:func:`follow_tokens`), so only the rows on its path are computed (``target_probs``
+    as in :func:`verify_sampled`)."""
+    return follow_tokens(proposal, lambda row, depth: int(
+        sample_by_uniforms(target_probs[row][None], [position_uniform(seed, position + depth)])[0]))
 
 
 def _verify_chain(target_probs, proposal: DraftProposal, generator) -> Verdict:

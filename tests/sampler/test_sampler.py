@@ -22,6 +22,7 @@ from specdec.sampler import (
     probs_from_logits,
     shape_logits,
     verify_greedy,
+    verify_greedy_batch,
     verify_sampled,
     verify_seeded,
 )
@@ -403,3 +404,27 @@ def test_target_rows_are_computed_when_read_each_from_its_own_path(monkeypatch):
     computed.clear()
     verify_seeded(TargetRows(logits, [1, 2], tree, params, 2, frozenset({0})), tree, seed=3, position=2)
     assert computed == [1]
+
+
+def test_the_greedy_walk_gives_the_batched_kernels_verdicts():
+    """Off CUDA, greedy verification walks each tree over the rows' tokens as a list; the
+    batched kernel's torch reference (what the Triton kernel equals) gives the same nodes
+    and tokens, on random trees whose nodes repeat tokens, siblings included."""
+    from specdec.kernels import greedy_tree_verify_torch
+
+    gen = torch.Generator().manual_seed(0)
+    proposals = [None]
+    for _ in range(60):
+        n = int(torch.randint(1, 12, (), generator=gen))
+        parents = [int(torch.randint(-1, k, (), generator=gen)) for k in range(n)]
+        proposals.append(DraftProposal(token_ids=torch.randint(0, 3, (n,), generator=gen).tolist(), parents=parents))
+    proposals.append(None)
+    rows = sum(1 + (len(p.token_ids) if p is not None else 0) for p in proposals)
+    target = torch.randint(0, 3, (rows,), generator=gen)
+    got = verify_greedy_batch(target, proposals)
+    packed = acceptance._pack(proposals, target.device)
+    path, accepted, bonus = greedy_tree_verify_torch(target, *packed, 12, max(p.depth for p in proposals if p))
+    assert sum(accepted.tolist()) > 30  # drafts were accepted, deep ones too
+    for b, verdict in enumerate(got):
+        nodes = path[b, :accepted[b]].tolist()
+        assert verdict.accepted_nodes == nodes and verdict.tokens[-1] == int(bonus[b])
