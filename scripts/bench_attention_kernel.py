@@ -41,6 +41,10 @@ def build_other(rev: str):
     source = source.replace("(specdec_cpu,", "(specdec_cpu_other,")
     path = pathlib.Path(tempfile.mkdtemp()) / "other_attention.cpp"
     path.write_text(source)
+    header = subprocess.run(["git", "show", f"{rev}:core/kernels/vector_math.h"], cwd=ROOT, capture_output=True,
+                            text=True)
+    if header.returncode == 0:  # revisions since the kernels shared their vector helpers include it
+        path.with_name("vector_math.h").write_text(header.stdout)
     load(name=f"specdec_other_{rev}", sources=[str(path)], extra_ldflags=["-fopenmp"], is_python_module=False,
          extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"])
 
