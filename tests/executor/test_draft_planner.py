@@ -5,6 +5,7 @@ on without changing greedy output."""
 import collections
 import itertools
 import random
+import time
 import types
 
 import pytest
@@ -177,7 +178,7 @@ def test_cost_model_fits_no_jump_without_one_token_steps():
 
 
 def test_cost_model_never_fits_a_negative_cost_per_token():
-    costs = StepCostModel()
+    costs = StepCostModel(draft_warm_up=0, min_draft_calls=1)
     for tokens in (1, 2, 3, 4, 5, 6):  # noise: more tokens measured faster
         costs.observe_step(tokens, 0.0, 0.050 - 0.001 * tokens)
     a, jump, b, c = costs.coefficients()
@@ -710,7 +711,7 @@ def test_a_tree_drafter_gets_the_chain_or_the_tree_whichever_pays_more_for_the_r
 
 
 def test_chains_and_trees_are_timed_apart_when_drafted():
-    costs = StepCostModel()
+    costs = StepCostModel(draft_warm_up=0, min_draft_calls=1)
     costs.observe_draft(2, 0.004, trees=True)
     assert costs.draft_seconds(2) == costs.draft_seconds(2, trees=True) == pytest.approx(0.004)  # chains not timed yet
     costs.observe_draft(2, 0.002)
@@ -724,12 +725,73 @@ def test_a_drafters_catch_up_after_a_pause_is_priced_apart_from_its_levels():
     that is hundreds of tokens. Divided among the levels, a level looked three times its
     price and drafts stayed off where a chain of one paid."""
     level, call, per_token = 0.0008, 0.0002, 0.00001
-    costs = StepCostModel()
+    costs = StepCostModel(draft_warm_up=0, min_draft_calls=1)
     for depth, caught_up in [(1, 300), (1, 2), (2, 3), (1, 2), (1, 120), (3, 2), (1, 3), (2, 2), (1, 40), (1, 2)]:
         costs.observe_draft(depth, call + level * depth + per_token * caught_up, caught_up=caught_up)
     assert costs.draft_seconds(1, caught_up=2) == pytest.approx(call + level + 2 * per_token, rel=0.02)
     assert costs.draft_seconds(3) - costs.draft_seconds(2) == pytest.approx(level, rel=0.02)
     assert costs.draft_seconds(1, caught_up=300) == pytest.approx(call + level + 300 * per_token, rel=0.02)
+
+
+def test_a_drafting_stall_neither_prices_drafts_out_nor_lingers():
+    """The cost model learns what drafting costs only from the drafts the planner asks for:
+    a call priced so dear that drafts stop is never measured again. A process's first
+    calls (hundreds of times the next in a process that built several engines) are not
+    observed, drafting is untimed until a few calls were, a later stall counts a few times
+    its estimate at most, and a fit made of a stall starts again from the next call."""
+    costs = StepCostModel()
+    costs.observe_draft(1, 0.5, caught_up=40)
+    costs.observe_draft(1, 0.5, caught_up=40)
+    assert costs.draft_seconds(1) == 0.0  # warm-up calls: untimed
+    for caught_up in (40, 2, 1):
+        costs.observe_draft(1, 0.002 + 1e-5 * caught_up, caught_up=caught_up)
+    assert costs.draft_seconds(1, caught_up=1) == pytest.approx(0.00201, rel=0.05)
+    costs.observe_draft(1, 0.6, caught_up=2)  # a stall: counted at four times 2 ms
+    assert 0.002 < costs.draft_seconds(1, caught_up=2) < 0.004
+    for _ in range(30):  # the machine really slows down five times: followed
+        costs.observe_draft(1, 0.01, caught_up=2)
+    assert costs.draft_seconds(1, caught_up=2) == pytest.approx(0.01, rel=0.1)
+
+    first = StepCostModel(draft_warm_up=0, min_draft_calls=1)
+    for _ in range(5):
+        first.observe_draft(1, 0.002, caught_up=2)
+    first.observe_draft(1, 0.2, caught_up=300)  # larger than any call seen: counted as measured
+    assert first.draft_seconds(1, caught_up=300) == pytest.approx(0.2, rel=0.05)
+
+    first = StepCostModel(draft_warm_up=0, min_draft_calls=1)
+    first.observe_draft(1, 0.5, caught_up=2)  # a stall on the first call observed
+    assert first.draft_seconds(1, caught_up=2) == pytest.approx(0.5)
+    first.observe_draft(1, 0.002, caught_up=2)
+    assert first.draft_seconds(1, caught_up=2) == pytest.approx(0.002)
+
+
+class StallingDrafter(PhasedDrafter):
+    """The reference continuation, every draft right, but its first calls stall."""
+
+    def __init__(self, reference: list[int], prompt_len: int, vocab_size: int, stalls: set[int]):
+        super().__init__(reference, prompt_len, bad=range(0), vocab_size=vocab_size)
+        self.stalls = stalls
+
+    @hookimpl
+    def prepare_draft_tokens(self, requests, draft_lens):
+        if len(self.asked) in self.stalls:
+            time.sleep(0.3)
+        return super().prepare_draft_tokens(requests, draft_lens)
+
+
+def test_drafts_that_pay_keep_being_drafted_after_the_drafters_first_calls_stall(tmp_path):
+    """Priced from a stalled first call, a level cost a hundred steps and no draft was ever
+    asked for again (the engine's third drafter in a process: its first call took 0.55 s)."""
+    model = testing.tiny_model_dir(tmp_path)
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    prompt = [3, 17, 9, 44, 5, 61, 12]
+    reference = LLM(model=str(model), dtype="float32").generate([prompt], params)[0].token_ids
+    drafter = StallingDrafter(reference, len(prompt), vocab_size=128, stalls={0, 2})
+    llm = LLM(model=str(model), dtype="float32", speculative_config={
+        "decoding_type": "user", "drafter": drafter, "max_draft_len": 4})
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == reference
+    assert sum(a for n, a in drafter.accepted if n >= 40) >= 20
 
 
 def test_the_planner_counts_what_each_request_gained_since_its_drafter_was_last_asked():

@@ -89,17 +89,34 @@ through its own layers before the first level. Priced apart, the catch-up after 
 (a new request's prompt, the tokens decoded while drafts did not pay) does not make every
 level look dear, which would keep drafts off where they pay.
 
-Both fits are least squares over every call seen (:class:`DecayedLeastSquares`).
+Both fits are least squares over every call seen (:class:`DecayedLeastSquares`). The
+drafting fit is guarded against a stall, since it learns only from the drafts the planner
+asks for: a call priced so dear that drafts stop is never measured again. The first
+``draft_warm_up`` calls of each kind are not observed (a process's first calls can take
+hundreds of times longer than the next), drafting is priced only once ``min_draft_calls``
+were observed (until then it is untimed, as before any call), and a call no larger than
+those seen (levels, tokens caught up) counts as at most :data:`STALL_FACTOR` times its
+estimate, while one :data:`STALL_FACTOR` times below it starts the fit again from it: a
+paused process inflates one call, not the next, and a machine that really slows down is
+followed within a few calls.
 """
 
     #: decayed number of one-token and of wider steps both needed before the jump is fitted
     MIN_STEPS_OF_EACH = 2.0
+    #: the most a drafting call within the sizes already seen counts, in times its estimate
+    STALL_FACTOR = 4.0
 
-    def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.95):
+    def __init__(self, forgetting: float = 0.98, draft_forgetting: float = 0.95, draft_warm_up: int = 2,
+                 min_draft_calls: int = 3):
         self.steps = DecayedLeastSquares(4, forgetting)
         self._coefficients: tuple[float, float, float, float] | None = None
+        self.draft_forgetting = draft_forgetting
         self.drafts = {trees: DecayedLeastSquares(3, draft_forgetting) for trees in (False, True)}  # chains, trees
         self._draft_coefficients: dict[bool, list[float]] = {}
+        self.draft_warm_up = draft_warm_up
+        self.min_draft_calls = min_draft_calls
+        self._draft_calls = {False: 0, True: 0}
+        self._largest_draft = {False: (0, 0), True: (0, 0)}  # (levels, tokens caught up) in the fit, by kind
 
     @property
     def num_steps(self) -> int:
@@ -153,6 +170,19 @@ Both fits are least squares over every call seen (:class:`DecayedLeastSquares`).
         several rows and ranks them."""
         if depth < 1:
             return
+        self._draft_calls[trees] += 1
+        if self._draft_calls[trees] <= self.draft_warm_up:
+            return
+        levels, tokens = self._largest_draft[trees]
+        fit = self._draft_fit(trees) if depth <= levels and caught_up <= tokens else None
+        if fit is not None:
+            e, f, g = fit
+            estimate = e + f * depth + g * caught_up
+            if seconds * self.STALL_FACTOR < estimate:  # the fit holds a stall: start it again
+                self.drafts[trees] = DecayedLeastSquares(3, self.draft_forgetting)
+                levels = tokens = 0
+            seconds = min(seconds, self.STALL_FACTOR * estimate)
+        self._largest_draft[trees] = (max(levels, depth), max(tokens, caught_up))
         self.drafts[trees].observe((1.0, float(depth), float(caught_up)), seconds)
         if self.drafts[trees].refit_due():
             self._draft_coefficients.pop(trees, None)
@@ -167,9 +197,10 @@ Both fits are least squares over every call seen (:class:`DecayedLeastSquares`).
         return self._draft_coefficients[trees]
 
     def draft_seconds(self, depth: int, trees: bool = False, caught_up: float = 0.0) -> float:
-        """Drafting time of ``depth`` levels after ``caught_up`` new tokens; a kind not
-        timed yet is priced as the other."""
-        coefficients = self._draft_fit(trees) or self._draft_fit(not trees)
+        """Drafting time of ``depth`` levels after ``caught_up`` new tokens (0 while
+        untimed); a kind not timed yet is priced as the other."""
+        timed = [kind for kind in (trees, not trees) if self.drafts[kind].count >= self.min_draft_calls]
+        coefficients = self._draft_fit(timed[0]) if timed else None
         if coefficients is None or depth < 1:
             return 0.0
         e, f, g = coefficients
