@@ -105,7 +105,7 @@ def follow_tokens(proposal: DraftProposal | None, token_of_row: Callable[[int, i
 
 def verify_greedy(target_tokens: list[int], proposal: DraftProposal | None) -> Verdict:
     """``target_tokens[r]``: the argmax of row ``r``."""
-    return verify_greedy_batch(torch.tensor(target_tokens), [proposal])[0]
+    return follow_tokens(proposal, lambda row, depth: target_tokens[row])
 
 
 def draw(p: torch.Tensor, generator: torch.Generator | None) -> int:

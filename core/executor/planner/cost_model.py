@@ -199,8 +199,8 @@ followed within a few calls.
     def draft_seconds(self, depth: int, trees: bool = False, caught_up: float = 0.0) -> float:
         """Drafting time of ``depth`` levels after ``caught_up`` new tokens (0 while
         untimed); a kind not timed yet is priced as the other."""
-        timed = [kind for kind in (trees, not trees) if self.drafts[kind].count >= self.min_draft_calls]
-        coefficients = self._draft_fit(timed[0]) if timed else None
+        kind = trees if self.drafts[trees].count >= self.min_draft_calls else not trees
+        coefficients = self._draft_fit(kind) if self.drafts[kind].count >= self.min_draft_calls else None
         if coefficients is None or depth < 1:
             return 0.0
         e, f, g = coefficients
