@@ -77,6 +77,11 @@ class SpeculativeConfig:
         min_acceptance_rate: a request whose acceptance rate over the last
             ``acceptance_window`` speculative steps stays below this stops speculating
             for ``retry_after`` steps, then tries again. ``0`` disables the switch.
+        min_chain_probability: a chain drafted a level at a time (EAGLE, EAGLE-3, MTP's
+            chain, a draft model) stops growing once the product of its tokens' draft
+            probabilities, the drafter's own chance that the target accepts it all, falls
+            below this; the token that crosses it is still verified
+            (:mod:`specdec.drafting.chain_stop`). ``0``: chains grow to the depth asked.
     """
 
     decoding_type: str
@@ -88,6 +93,7 @@ class SpeculativeConfig:
     min_acceptance_rate: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
     acceptance_window: int = attrs.field(default=8, validator=in_range(1, None))
     retry_after: int = attrs.field(default=16, validator=in_range(1, None))
+    min_chain_probability: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
 
     @draft_len_schedule.validator
     def _check_schedule(self, attribute, value):
@@ -166,10 +172,14 @@ class TreeDraftConfig(SpeculativeConfig):
             are verified. With ``adaptive`` on, the planner may ask for the chain instead,
             step by step and request by request, where it pays more (:attr:`chain_or_tree`).
         dynamic_tree_max_topK: children per expanded node and nodes expanded per level.
+        min_chain_probability: as in :class:`SpeculativeConfig`; 0.5 here: these draft
+            modules learn the target's distribution, so their probabilities track what
+            the target accepts.
     """
 
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int = attrs.field(default=4, validator=in_range(1, 64))  # noqa: N815
+    min_chain_probability: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
     #: nodes of a dynamic tree when ``max_total_draft_tokens`` is not given (per method)
     dynamic_tree_nodes: ClassVar[int] = DYNAMIC_TREE_NODES
 

@@ -9,6 +9,7 @@ target's hidden states, storing weights, loading models, training.
 """
 
 from .config import SpeculativeConfig, TreeDraftConfig, in_range
+from .drafting.chain_stop import ChainStop
 from .drafting.checkpoint import (
     SECTION,
     check_target,
@@ -45,7 +46,7 @@ __all__ = [
     "SpeculativeConfig", "TreeDraftConfig", "in_range", "FieldError", "ModelLoadError",
     # drafting: the drafter base, its proposals and results, trees and draft-token picking
     "Drafter", "DraftProposal", "StepResult", "TreeMask", "StaticTree", "ancestor_mask", "prefix_trie",
-    "pick_draft_token", "RelaxedAcceptance", "TypicalAcceptance",
+    "pick_draft_token", "ChainStop", "RelaxedAcceptance", "TypicalAcceptance",
     # drafters that read the target: its shared parts and the machinery that runs draft modules
     "TargetModel", "TargetParts", "ATTENTION_NAME", "FeatureDrafter", "LastStateDrafter", "DraftRunner",
     "DraftInput", "causal_lm_forward", "draft_attention", "ResBlock",

@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from ..config import TreeDraftConfig
+from .chain_stop import ChainStop
 from .hookspecs import hookimpl
 from .interface import Drafter, DraftProposal
 from .runner import DraftInput, DraftRunner
@@ -117,7 +118,8 @@ class FeatureDrafter(Drafter):
             return DynamicExpansion(config.dynamic_tree_max_topK, depth, nodes, vocab)
         if self.static_tree is not None:
             return StaticExpansion(self.static_tree.trimmed(depth, nodes), vocab)
-        return ChainExpansion(min(depth, nodes), request, self.target.vocab_size, vocab)
+        return ChainExpansion(min(depth, nodes), request, self.target.vocab_size, vocab,
+                              ChainStop(config.min_chain_probability))
 
     @functools.cached_property
     def static_tree(self) -> StaticTree | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..sampler import pick_draft_token
+from .chain_stop import ChainStop
 from .interface import TREE_KIND, DraftProposal
 from .tree import DynamicTree, StaticTree
 
@@ -55,11 +56,14 @@ class Expansion:
 
 class ChainExpansion(Expansion):
     """The draft's argmax, or a sample of its distribution when the request samples (kept
-    over the target's ``vocab_size`` tokens for the rejection sampler)."""
+    over the target's ``vocab_size`` tokens for the rejection sampler); it stops before
+    ``depth`` levels where ``stop`` says so."""
 
-    def __init__(self, depth: int, request, vocab_size: int, vocab: torch.Tensor | None = None):
+    def __init__(self, depth: int, request, vocab_size: int, vocab: torch.Tensor | None = None,
+                 stop: ChainStop | None = None):
         super().__init__(vocab)
         self.depth, self.request, self.vocab_size = depth, request, vocab_size
+        self.stop = stop if stop is not None else ChainStop()
 
     def grow(self, nodes, logits):
         req = self.request
@@ -68,7 +72,8 @@ class ChainExpansion(Expansion):
             self.probs.append(q)
         self.parents.append(len(self.tokens) - 1)
         self.tokens.append(token)
-        return [len(self.tokens) - 1] if len(self.tokens) < self.depth else []
+        grows = len(self.tokens) < self.depth and self.stop.grows_past(logits[0], token, q)
+        return [len(self.tokens) - 1] if grows else []
 
 
 class StaticExpansion(Expansion):

@@ -5,6 +5,7 @@ import types
 import torch
 
 from specdec import SamplingParams
+from specdec.drafting.chain_stop import ChainStop
 from specdec.drafting.tree import StaticTree
 from specdec.drafting.tree_expansion import ChainExpansion, DynamicExpansion, StaticExpansion
 
@@ -56,3 +57,31 @@ def test_a_dynamic_tree_scores_draft_columns_and_proposes_target_ids():
     proposal = expansion.proposal()
     # the three best: 7 (.6), 2 (.3), 7 -> 4 (.42)
     assert sorted(zip(proposal.token_ids, proposal.parents)) == [(2, -1), (4, 0), (7, -1)]
+
+
+def test_a_chain_stops_growing_once_its_draft_probability_falls_below_the_floor():
+    """A greedy chain counts each argmax's probability: 0.9 grows, then 0.9 * 0.5 falls
+    below 0.5 and stops, the token that crossed the floor still proposed."""
+    likely = torch.log(torch.tensor([[0.05, 0.9, 0.03, 0.02]]))
+    even = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1]]))
+    chain = ChainExpansion(3, request(SamplingParams(temperature=0.0)), TARGET_VOCAB, VOCAB, ChainStop(0.5))
+    assert chain.grow([-1], likely) == [0]
+    assert chain.grow([0], even) == []
+    assert chain.proposal().token_ids == [2, 7]
+    unbounded = ChainExpansion(3, request(SamplingParams(temperature=0.0)), TARGET_VOCAB, VOCAB)
+    assert unbounded.grow([-1], even) == [0] and unbounded.grow([0], even) == [1]
+
+
+def test_a_sampled_chain_stops_on_the_probability_of_the_token_it_drew():
+    """The drawn token's own probability counts, not the likeliest's: a draw of the 0.2
+    token stops a chain whose floor is 0.3; a draw of the 0.8 one does not."""
+    logits = torch.log(torch.tensor([[0.8, 0.2, 0.0, 0.0]]))
+    seen = set()
+    for seed in range(40):
+        chain = ChainExpansion(2, request(SamplingParams(temperature=1.0, top_p=1.0), seed), TARGET_VOCAB, VOCAB,
+                               ChainStop(0.3))
+        grows = chain.grow([-1], logits) == [0]
+        token = chain.proposal().token_ids[0]
+        assert grows == (token == 7), (token, grows)
+        seen.add(token)
+    assert seen == {7, 2}

@@ -29,6 +29,7 @@ import torch
 from specdec.plugin_api import (
     EMBEDDED_NAME,
     SECTION,
+    ChainStop,
     DecodingType,
     Drafter,
     DraftInput,
@@ -138,6 +139,7 @@ class DraftTargetDrafter(Drafter):
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         inputs = {i: DraftInput(seq, seq.token_ids[seq.num_computed:]) for i, seq in enumerate(seqs)}
+        stops = [ChainStop(self.config.min_chain_probability) for _ in requests]
         while inputs:
             order = list(inputs)
             outs = self.runner.forward([inputs[i] for i in order])
@@ -152,7 +154,7 @@ class DraftTargetDrafter(Drafter):
                 drafts[i].append(token)
                 if q is not None:
                     probs[i].append(q)
-                if len(drafts[i]) < draft_lens[i]:
+                if len(drafts[i]) < draft_lens[i] and stops[i].grows_past(logits[row], token, q):
                     inputs[i] = DraftInput(seqs[i], [token])
         return [DraftProposal(token_ids=d, draft_probs=torch.stack(p) if p else None,
                               sibling_sampling="iid" if p else "deterministic") if d else None

@@ -42,6 +42,19 @@ def test_greedy_lossless_with_a_separate_draft_model(pair, tmp_path):
         assert o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens and o.metrics.acceptance_length > 3.5
 
 
+def test_a_chain_stops_growing_below_its_draft_probability_floor(pair, tmp_path):
+    """The target's own weights as the draft (every draft right) under a floor of 0.99,
+    above any probability the tiny model gives: each chain stops after its first level."""
+    target, _ = pair
+    draft = testing.tiny_model_dir(tmp_path, seed=0, vocab_size=32)
+    outs = testing.check_greedy_lossless({"decoding_type": "draft_target", "speculative_model": str(draft),
+                                          "max_draft_len": 3, "adaptive": False, "min_chain_probability": 0.99},
+                                         model=target, prompts=[[1, 2, 3, 4] * 3, [5, 9, 11]])
+    for o in outs:
+        assert o.metrics.draft_len_counts[2:] == [0] * len(o.metrics.draft_len_counts[2:]), o.metrics.draft_len_counts
+        assert o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens > 0
+
+
 def test_greedy_lossless_with_layer_skip_on_the_embedded_model():
     """An untrained first-N-layers draft of SmolLM2 is rarely accepted; the output must not change."""
     prompts = [[{"role": "user", "content": "List the planets of the solar system, one per line."}]]

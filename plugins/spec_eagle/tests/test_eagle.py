@@ -15,15 +15,29 @@ PARAMS = embedded.SHIPPED_CHECK_PARAMS
 
 
 @pytest.mark.parametrize("name, mode, min_length", [
-    ("eagle3", {}, 1.4),  # measured 1.50 (an untrained head: about 1.0)
+    ("eagle3", {"min_chain_probability": 0.0}, 1.4),  # 1.50 at full depth (an untrained head: about 1.0)
     ("eagle3", {"eagle_choices": [[0, 0, 0], [0, 1], [1, 0], [2]]}, 1.6),  # 1.75
     ("eagle3", {"use_dynamic_tree": True, "dynamic_tree_max_topK": 3, "max_total_draft_tokens": 10}, 1.65),  # 1.81
-    ("eagle", {}, 1.3),  # 1.37
+    ("eagle", {"min_chain_probability": 0.0}, 1.3),  # 1.37 at full depth (1.26 stopping at 0.5, the default)
 ])
 def test_shipped_heads_are_lossless_and_accepted(name, mode, min_length):
     spec, _ = embedded.check_shipped_drafter({"decoding_type": name, **mode}, min_length)
     assert (SHIPPED_HEADS[3 if name == "eagle3" else 1] / "config.json").exists()
     assert spec.drafter.runner.kv.pool.num_free == spec.drafter.runner.kv.pool.num_blocks  # released
+
+
+def test_chains_that_stop_on_their_draft_probability_are_lossless_and_end_at_both_depths():
+    """The default chain of up to three levels, which stops once its draft probability
+    falls below 0.5: output equals plain greedy output with drafts accepted, some chains
+    stop after their first level and some grow all three (measured 48, 15 and 3 steps at
+    depths 1-3)."""
+    spec, _ = embedded.check_shipped_drafter({"decoding_type": "eagle3"}, 1.3)
+    assert spec.config.speculative_config.min_chain_probability == 0.5
+    got = spec.chat(PROMPTS, PARAMS)
+    depths = [sum(o.metrics.draft_len_counts[d] for o in got if d < len(o.metrics.draft_len_counts))
+              for d in range(4)]
+    assert depths[1] > 0 and depths[3] > 0, depths
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
 
 
 @pytest.mark.parametrize("mode", [{}, {"eagle_choices": [[0, 0], [1], [2]]}])
