@@ -164,20 +164,26 @@ def test_tree_paths_compacted_over_window_blocks_are_lossless(tiny_models):
                                   engine=WINDOW_ENGINE)
 
 
-def test_the_compiled_batch_invariant_graph_reads_the_window_blocks(tiny_models):
+def test_the_compiled_batch_invariant_graph_reads_the_window_blocks(tiny_models, monkeypatch):
     """The CPU kernel called from one compiled graph (what the default target runs), its
-    sliding layers over the window pools' slots."""
+    sliding layers over the window pools' slots, answers as the same graph over one pool
+    that keeps every token. (Not as the eager engine: inductor's float32 fusions differ
+    from eager code by an ulp here and there, and on CPUs without AVX-512 one such ulp
+    flips an activation's int8 rounding within 24 tokens of this random model.)"""
+    from specdec.executor import kv_budget
     from specdec.kernels import cpu
 
     if not cpu.kernel_available():
         pytest.skip("the CPU attention kernel is not built here")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    engine = {"quantization": "w4a8", "batch_invariant": True}
-    eager = _window_engine(tiny_models["gemma3_text"], **engine, compile=False).generate(PROMPTS, params)
-    llm = _window_engine(tiny_models["gemma3_text"], **engine, compile=True)
+    engine = {"quantization": "w4a8", "batch_invariant": True, "compile": True}
+    llm = _window_engine(tiny_models["gemma3_text"], **engine)
     assert llm.engine.compiled and llm.engine.kv.cache.window_blocks is not None
     outs = llm.generate(PROMPTS, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    monkeypatch.setattr(kv_budget, "window_blocks_needed", lambda config, window: 10**9)  # more than the cache
+    whole = _window_engine(tiny_models["gemma3_text"], **engine)
+    assert whole.engine.compiled and whole.engine.kv.cache.window_blocks is None
+    assert [o.token_ids for o in outs] == [o.token_ids for o in whole.generate(PROMPTS, params)]
 
 
 def test_the_kv_budget_gives_what_the_windows_leave_to_the_layers_that_keep_every_token(tiny_models):
