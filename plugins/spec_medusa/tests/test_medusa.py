@@ -16,7 +16,7 @@ PROMPTS = embedded.SHIPPED_CHECK_PROMPTS
 
 
 @pytest.mark.parametrize("mode, min_length", [
-    ({}, 1.4),  # measured 1.52
+    ({}, 1.35),  # measured 1.52 with AVX-512, 1.433 with AVX2 only
     ({"medusa_choices": [[0, 0, 0]]}, 1.2),  # 1.26
 ])
 def test_shipped_heads_are_lossless_and_accepted(mode, min_length):

@@ -8,9 +8,12 @@ from specdec_redrafter import SHIPPED_DRAFTER
 from specdec_test_support import embedded
 
 
+# 96 tokens are few: measured 1.745 / 1.600 on a CPU with AVX-512, 1.548 / 1.412 on one
+# with AVX2 only, while over six diverse prompts (scripts/profile_draft.py) the drafter's
+# acceptance is 1.54 on both.
 @pytest.mark.parametrize("mode, min_length", [
-    ({}, 1.6),  # measured 1.745
-    ({"beam_width": 1}, 1.45),  # 1.600
+    ({}, 1.45),
+    ({"beam_width": 1}, 1.3),
 ])
 def test_shipped_drafter_is_lossless_and_accepted(mode, min_length):
     spec, _ = embedded.check_shipped_drafter({"decoding_type": "redrafter", **mode}, min_length)
