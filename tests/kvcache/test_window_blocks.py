@@ -167,9 +167,10 @@ def test_tree_paths_compacted_over_window_blocks_are_lossless(tiny_models):
 def test_the_compiled_batch_invariant_graph_reads_the_window_blocks(tiny_models, monkeypatch):
     """The CPU kernel called from one compiled graph (what the default target runs), its
     sliding layers over the window pools' slots, answers as the same graph over one pool
-    that keeps every token. (Not as the eager engine: inductor's float32 fusions differ
-    from eager code by an ulp here and there, and on CPUs without AVX-512 one such ulp
-    flips an activation's int8 rounding within 24 tokens of this random model.)"""
+    that keeps every token, and its first token's log-probabilities after prompts longer
+    than the window are the eager engine's. (Not its whole answers: inductor's float32
+    fusions differ from eager code by an ulp here and there, and on CPUs without AVX-512
+    one such ulp flips an activation's int8 rounding within 24 tokens of this random model.)"""
     from specdec.executor import kv_budget
     from specdec.kernels import cpu
 
@@ -184,6 +185,11 @@ def test_the_compiled_batch_invariant_graph_reads_the_window_blocks(tiny_models,
     whole = _window_engine(tiny_models["gemma3_text"], **engine)
     assert whole.engine.compiled and whole.engine.kv.cache.window_blocks is None
     assert [o.token_ids for o in outs] == [o.token_ids for o in whole.generate(PROMPTS, params)]
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=5)
+    eager = _window_engine(tiny_models["gemma3_text"], **engine | {"compile": False}).generate(PROMPTS, first)
+    for got, want in zip(llm.generate(PROMPTS, first), eager):
+        assert got.token_ids == want.token_ids and got.logprobs[0].keys() == want.logprobs[0].keys()
+        assert all(abs(got.logprobs[0][t] - lp) < 1e-4 for t, lp in want.logprobs[0].items())
 
 
 def test_the_kv_budget_gives_what_the_windows_leave_to_the_layers_that_keep_every_token(tiny_models):
