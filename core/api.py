@@ -143,22 +143,23 @@ class LLM:
         hooks = self.drafter = None
         if spec is not None:
             self.drafter = registry.create_drafter(spec, self.target)
-            for layer in self._drafters_own_linears():
+            lookup = registry.create_drafter(spec.lookup, self.target) if spec.lookup is not None else None
+            for layer in self._drafters_own_linears(self.drafter, lookup):
                 if config.engine.draft_quantization == "w8a8":
                     quantize_linears_w8a8(layer)
                 if config.engine.prepack_weights:
                     prepack_linears(layer)
-            hooks = drafter_plugin_manager(self.drafter, spec.decoding_type)
+            hooks = drafter_plugin_manager(self.drafter, spec.decoding_type, lookup)
         self.engine = Engine(self.target, config.engine, spec, hooks, seed=seed)
         resolved = attrs.evolve(config.engine, compile=self.engine.compiled,
                                 batch_invariant=self.engine.batch_invariant)
         keep_target(reuse_key(attrs.evolve(config, engine=resolved), self.dtype, self.device), self.target)
 
-    def _drafters_own_linears(self) -> list[torch.nn.Module]:
-        """The linear layers of the drafter's modules that are not the target's: a layer-skip
-        draft runs the target's own layers, and a drafter may hold the target's head; their
-        forwards are the target's to choose (other LLMs may share it)."""
-        modules = self.drafter.draft_modules() if hasattr(self.drafter, "draft_modules") else []
+    def _drafters_own_linears(self, *drafters) -> list[torch.nn.Module]:
+        """The linear layers of the ``drafters``' modules that are not the target's: a
+        layer-skip draft runs the target's own layers, and a drafter may hold the target's
+        head; their forwards are the target's to choose (other LLMs may share it)."""
+        modules = [m for d in drafters if hasattr(d, "draft_modules") for m in d.draft_modules()]
         targets = {id(m) for m in self.target.model.modules()}
         return [m for module in modules for m in module.modules()
                 if isinstance(m, torch.nn.Linear) and id(m) not in targets]

@@ -82,6 +82,15 @@ class SpeculativeConfig:
             probabilities, the drafter's own chance that the target accepts it all, falls
             below this; the token that crosses it is still verified
             (:mod:`specdec.drafting.chain_stop`). ``0``: chains grow to the depth asked.
+        lookup: a second method, asked first each step for every decoding request: a
+            lookup in text already seen (``{decoding_type: suffix}`` or ``ngram``), whose
+            draft costs no model forward. Where the adaptive planner expects its draft to
+            be accepted at least as far as this method's, over the depth it would ask of
+            this method, the lookup's draft is verified and this method is not asked;
+            without the planner, wherever the lookup has a draft
+            (:mod:`specdec.executor.draft_stage`). Text that repeats itself or earlier
+            requests (agents, edits, templated answers) then drafts deep for free, and the
+            rest from this method. Its own ``max_draft_len`` bounds its drafts.
     """
 
     decoding_type: str
@@ -94,6 +103,18 @@ class SpeculativeConfig:
     acceptance_window: int = attrs.field(default=8, validator=in_range(1, None))
     retry_after: int = attrs.field(default=16, validator=in_range(1, None))
     min_chain_probability: float = attrs.field(default=0.0, validator=in_range(0.0, 1.0))
+    lookup: SpeculativeConfig | None = attrs.field(default=None)
+
+    @lookup.validator
+    def _check_lookup(self, attribute, value):
+        if value is None:
+            return
+        if value.lookup is not None:
+            raise FieldError(attribute.name, f"the lookup method {value.decoding_type!r} cannot have a lookup of "
+                                             "its own; remove lookup.lookup")
+        if value.decoding_type == self.decoding_type:
+            raise FieldError(attribute.name, f"is {value.decoding_type!r}, the method itself; name another "
+                                             "method (suffix or ngram) or remove it")
 
     @draft_len_schedule.validator
     def _check_schedule(self, attribute, value):

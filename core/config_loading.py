@@ -72,27 +72,31 @@ def _make_converter() -> cattrs.Converter:
     return conv
 
 
-def _structure_speculative(value, _type) -> SpeculativeConfig:
+def _structure_speculative(value, _type, path: str = "speculative_config") -> SpeculativeConfig:
     if isinstance(value, SpeculativeConfig):
         return value
     if not isinstance(value, dict):
-        raise ConfigError(f"speculative_config: expected a mapping, got {value!r}")
+        raise ConfigError(f"{path}: expected a mapping, got {value!r}")
     if "decoding_type" not in value:
-        raise ConfigError("speculative_config.decoding_type: missing; name the method, "
+        raise ConfigError(f"{path}.decoding_type: missing; name the method, "
                           f"one of: {', '.join(get_registry().names())}")
-    entry = get_registry().resolve(value["decoding_type"])
+    try:
+        entry = get_registry().resolve(value["decoding_type"])
+    except PluginError as exc:  # raised as what it is, naming the lookup's field
+        raise PluginError(str(exc).replace("speculative_config.", f"{path}.", 1)) from None
     data = dict(value, decoding_type=entry.name)
     if "speculative_model_dir" in data and "speculative_model" in _fields_of(entry.config_class):
         if "speculative_model" in data:
-            raise ConfigError("speculative_config: give speculative_model or its alias speculative_model_dir, "
-                              "not both")
+            raise ConfigError(f"{path}: give speculative_model or its alias speculative_model_dir, not both")
         data["speculative_model"] = data.pop("speculative_model_dir")
+    if data.get("lookup") is not None:
+        data["lookup"] = _structure_speculative(data["lookup"], _type, f"{path}.lookup")
     try:
         return converter.structure(data, entry.config_class)
     except ConfigError:
         raise
     except Exception as exc:  # cattrs' exception groups: flatten into one message
-        raise ConfigError(format_structure_error(exc, "speculative_config")) from None
+        raise ConfigError(format_structure_error(exc, path)) from None
 
 
 converter = _make_converter()
@@ -203,11 +207,15 @@ def _resolve_paths(cfg: SpecdecConfig, base: Path) -> SpecdecConfig:
             return str((base / p).resolve())
         return p
 
-    changes = {"model": fix(cfg.model), "tokenizer": fix(cfg.tokenizer)}
-    spec = cfg.speculative_config
-    if spec is not None and isinstance(getattr(spec, "speculative_model", None), str):
-        changes["speculative_config"] = attrs.evolve(spec, speculative_model=fix(spec.speculative_model))
-    return attrs.evolve(cfg, **changes)
+    def fix_spec(spec):
+        if spec is None:
+            return None
+        if isinstance(getattr(spec, "speculative_model", None), str):
+            spec = attrs.evolve(spec, speculative_model=fix(spec.speculative_model))
+        return attrs.evolve(spec, lookup=fix_spec(spec.lookup)) if spec.lookup is not None else spec
+
+    return attrs.evolve(cfg, model=fix(cfg.model), tokenizer=fix(cfg.tokenizer),
+                        speculative_config=fix_spec(cfg.speculative_config))
 
 
 def merge_overrides(cfg: SpecdecConfig, overrides: dict) -> SpecdecConfig:

@@ -238,14 +238,36 @@ class CoreTreeHooks:
         return default_tree_mask(proposal)
 
 
-def drafter_plugin_manager(drafter: object, name: str) -> pluggy.PluginManager:
-    """A plugin manager for one engine: the core's default hooks plus this drafter."""
+#: the name of a method's lookup drafter (``speculative_config.lookup``) in its engine's
+#: plugin manager
+LOOKUP_PLUGIN = "lookup"
+
+
+def drafter_plugin_manager(drafter: object, name: str, lookup: object | None = None) -> pluggy.PluginManager:
+    """A plugin manager for one engine: the core's default hooks plus this drafter, and its
+    lookup drafter (:data:`LOOKUP_PLUGIN`) where it has one: every hook reaches both but
+    ``prepare_draft_tokens``, which the draft stage asks of each apart
+    (:func:`proposal_callers`)."""
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     pm.register(CoreTreeHooks(), name="specdec-core")
-    try:
-        pm.register(drafter, name=name)
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(f"drafter {name!r} implements a hook wrongly: {exc}") from None
+    for plugin, plugin_name in ((drafter, name), (lookup, LOOKUP_PLUGIN)):
+        if plugin is None:
+            continue
+        try:
+            pm.register(plugin, name=plugin_name)
+            pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"drafter {plugin_name!r} implements a hook wrongly: {exc}") from None
     return pm
+
+
+def proposal_callers(pm: pluggy.PluginManager) -> tuple[pluggy.HookCaller, pluggy.HookCaller | None]:
+    """``prepare_draft_tokens`` of the method alone, and of its lookup drafter alone (None
+    where it has none)."""
+    lookup = pm.get_plugin(LOOKUP_PLUGIN)
+    if lookup is None:
+        return pm.hook.prepare_draft_tokens, None
+    others = [plugin for plugin in pm.get_plugins() if plugin is not lookup]
+    return (pm.subset_hook_caller("prepare_draft_tokens", [lookup]),
+            pm.subset_hook_caller("prepare_draft_tokens", others))

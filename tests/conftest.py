@@ -17,7 +17,8 @@ warnings.filterwarnings("ignore", category=UserWarning)
 #: the files whose end-to-end checks run ``LLM()``'s compiled default target (the embedded
 #: model's GGUF blocks, :func:`specdec_test_support.embedded.embedded_llm`)
 DEFAULT_TARGET_FILES = frozenset({
-    "tests/executor/test_engine.py", "tests/executor/test_prefix_cache.py", "tests/model/test_quantization.py",
+    "tests/executor/test_engine.py", "tests/executor/test_lookup_drafts.py", "tests/executor/test_prefix_cache.py",
+    "tests/model/test_quantization.py",
     *(f"plugins/spec_{name}/tests/test_{name}.py" for name in (
         "draft_target", "eagle", "lookahead", "medusa", "mtp", "ngram", "redrafter", "suffix"))})
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import os
@@ -183,3 +184,21 @@ def long_document_prompt(tokenizer, num_tokens: int) -> list[int]:
     need = num_tokens - len(ids) - len(tail)
     body = (body * (need // len(body) + 1))[:need]
     return ids + body + tail
+
+
+def count_accepted_by_source(monkeypatch) -> collections.Counter:
+    """Draft tokens the target accepts from here on, in every engine, by who drafted them:
+    ``lookup`` (``speculative_config.lookup``) or ``method``."""
+    from specdec.drafting.interface import is_lookup_kind
+    from specdec.executor.planner import DraftPlanner
+
+    counts = collections.Counter()
+    observe = DraftPlanner.observe_decode
+
+    def counting(self, req, proposal, accepted_nodes):
+        if proposal is not None:
+            counts["lookup" if is_lookup_kind(proposal.kind) else "method"] += len(accepted_nodes)
+        return observe(self, req, proposal, accepted_nodes)
+
+    monkeypatch.setattr(DraftPlanner, "observe_decode", counting)
+    return counts

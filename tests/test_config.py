@@ -175,3 +175,32 @@ def test_paths_may_be_path_objects(tmp_path):
     llm = LLM(model=testing.tiny_model_dir(tmp_path), device="cpu")
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids
     assert error_of({"model": 3}) == "model: expected a string, got 3 (int)"
+
+
+def test_a_lookup_is_a_method_config_of_its_own_checked_where_it_lies(tmp_path):
+    from specdec.config_loading import unstructure
+
+    cfg = config_from_dict({"speculative_config": {"decoding_type": "eagle3",
+                                                   "lookup": {"decoding_type": "suffix", "max_draft_len": 8}}})
+    lookup = cfg.speculative_config.lookup
+    assert type(lookup).__name__ == "SuffixConfig" and lookup.max_draft_len == 8 and lookup.min_request_match == 3
+    assert config_from_dict(unstructure(cfg)) == cfg
+    assert error_of({"speculative_config": {"decoding_type": "eagle3", "lookup": {"decoding_type": "suffix",
+                                                                                   "min_match": 3}}}) \
+        == "speculative_config.lookup.min_match: unknown key (did you mean min_request_match?)"
+    assert error_of({"speculative_config": {"decoding_type": "eagle3", "lookup": "suffix"}}) \
+        == "speculative_config.lookup: expected a mapping, got 'suffix'"
+    assert "speculative_config.lookup.max_draft_len: must be between 1 and 64" in error_of(
+        {"speculative_config": {"decoding_type": "eagle3", "lookup": {"decoding_type": "ngram", "max_draft_len": 0}}})
+    assert "speculative_config.lookup: is 'suffix', the method itself" in error_of(
+        {"speculative_config": {"decoding_type": "suffix", "lookup": {"decoding_type": "suffix"}}})
+    assert "cannot have a lookup of its own" in error_of(
+        {"speculative_config": {"decoding_type": "eagle3", "lookup": {"decoding_type": "suffix",
+                                                                      "lookup": {"decoding_type": "ngram"}}}})
+    with pytest.raises(PluginError, match="speculative_config.lookup.decoding_type: unknown decoding type 'sufix'"):
+        config_from_dict({"speculative_config": {"decoding_type": "eagle3", "lookup": {"decoding_type": "sufix"}}})
+    path = tmp_path / "cfg.yaml"  # a lookup's model path is relative to the YAML file, as the method's
+    (tmp_path / "draft").mkdir()
+    path.write_text("speculative_config: {decoding_type: ngram, lookup: {decoding_type: draft_target, "
+                    "speculative_model: ./draft}}\n")
+    assert load_config(path).speculative_config.lookup.speculative_model == str(tmp_path / "draft")

@@ -34,6 +34,17 @@ SiblingSampling = Literal["deterministic", "iid", "without_replacement"]
 TREE_KIND = "tree"
 
 
+#: A lookup drafter's proposal (``speculative_config.lookup``) reaches the planner with
+#: ``(LOOKUP_KIND, its own kind)`` as :attr:`DraftProposal.kind`: its acceptance estimates
+#: stay apart from the method's, whose kinds may be the same values.
+LOOKUP_KIND = "lookup"
+
+
+def is_lookup_kind(kind: Hashable) -> bool:
+    """Whether ``kind`` is a lookup drafter's (see :data:`LOOKUP_KIND`)."""
+    return isinstance(kind, tuple) and len(kind) == 2 and kind[0] == LOOKUP_KIND
+
+
 def node_depths(parents: list[int]) -> list[int]:
     """Depth of each node of a tree given by its ``parents`` (-1: the root): 1 for children of the root."""
     d: list[int] = []

@@ -3,9 +3,13 @@
 It asks the planner how much each request may draft, calls the drafter's hooks once for
 the batch, checks and trims what comes back (dropping what a request's grammar forbids),
 reserves KV for it and builds its verification mask; after verification it hands the
-results to the drafter. A drafter fault (an exception, a malformed proposal or mask) costs
-the requests concerned their drafts this step, never output: it is counted per kind and
-logged once.
+results to the drafter. A method with a lookup drafter (``speculative_config.lookup``)
+has the lookup asked first, for every decoding request, and the method only for the
+requests whose lookup draft the planner does not prefer
+(:meth:`~specdec.executor.planner.DraftPlanner.prefer_lookup`): a lookup costs no model
+forward, the method's levels do. A drafter fault (an exception, a malformed proposal or
+mask) costs the requests concerned their drafts this step, never output: it is counted per
+kind and logged once.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from __future__ import annotations
 import logging
 import time
 
+import attrs
 import pluggy
 import torch
 
-from ..drafting.interface import DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
+from ..drafting.interface import LOOKUP_KIND, DraftProposal, StepResult, TreeMask, proposal_problem, tree_mask_problem
 from ..kvcache import KVCacheManager
 from .planner import DraftPlanner, StepShape
 from .request import Request
@@ -46,11 +51,16 @@ def _grammatical(req: Request, prop: DraftProposal) -> tuple[DraftProposal | Non
 
 
 class DraftStage:
-    """Drafts for the step's decoding requests (``planner`` None: no speculation)."""
+    """Drafts for the step's decoding requests (``planner`` None: no speculation);
+    ``propose`` and ``propose_lookup`` are ``prepare_draft_tokens`` of the method and of its
+    lookup drafter (None: none), each alone (:func:`specdec.plugins.proposal_callers`)."""
 
     def __init__(self, hooks: pluggy.HookRelay | None, planner: DraftPlanner | None, kv: KVCacheManager,
-                 vocab_size: int, max_model_len: int, method: str):
+                 vocab_size: int, max_model_len: int, method: str, propose: pluggy.HookCaller | None = None,
+                 propose_lookup: pluggy.HookCaller | None = None):
         self.hooks = hooks
+        self.propose = propose
+        self.propose_lookup = propose_lookup
         self.planner = planner
         self.kv = kv
         self.vocab_size = vocab_size
@@ -58,8 +68,12 @@ class DraftStage:
         self.method = method
         #: drafter faults by kind (the requests' ``num_drafter_faults`` summed)
         self.faults: dict[str, int] = {}
-        #: seconds the drafter took in the last step
+        #: seconds the drafters took in the last step
         self.seconds = 0.0
+        #: seconds of the last drafting call
+        self.last_seconds = 0.0
+        #: requests the lookup drafter was asked for this step
+        self.lookup_asked = 0
         self._warned: set[str] = set()
 
     def draft_budget(self, batch_size: int) -> int:
@@ -73,7 +87,16 @@ class DraftStage:
         if self.planner is None or self.hooks is None or not reqs:
             return [StepItem.decode(req) for req in reqs]
         shapes = self.planner.shapes(reqs, allowances, batch_size, self.max_model_len, before_drafts)
+        lookups = self._lookups(reqs, allowances, batch_size, before_drafts)
+        if lookups is not None:
+            started = time.perf_counter()
+            preferred = self.planner.prefer_lookup(reqs, lookups, shapes, before_drafts)
+            shapes = [(0, 0) if lookup else shape for shape, lookup in zip(shapes, preferred)]
+            if self.lookup_asked:
+                self.planner.observe_lookup(self.lookup_asked, self.last_seconds + time.perf_counter() - started)
         proposals = self._propose(reqs, shapes)
+        if lookups is not None:
+            proposals = [lookup if use else prop for prop, lookup, use in zip(proposals, lookups, preferred)]
         if any(p is not None for p in proposals):
             proposals = self.planner.trim(reqs, proposals, before_drafts)
         items = []
@@ -102,41 +125,64 @@ class DraftStage:
         except Exception as exc:  # the drafter's state may be off: costs speed, never output
             self._fault([r.request for r in results], "on_draft_verified raised", exc)
 
+    def _lookups(self, reqs: list[Request], allowances: list[int], batch_size: int, before_drafts: StepShape
+                 ) -> list[DraftProposal | None] | None:
+        """The lookup drafter's proposals, of kind ``(LOOKUP_KIND, its own)``; None without
+        one. :attr:`lookup_asked`: the requests it was asked for."""
+        if self.propose_lookup is None:
+            return None
+        shapes = self.planner.lookup_shapes(reqs, allowances, batch_size, self.max_model_len, before_drafts)
+        self.lookup_asked = sum(depth > 0 for depth, _ in shapes)
+        found, _ = self._ask(self.propose_lookup, "lookup", reqs, shapes)
+        return [None if prop is None else attrs.evolve(prop, kind=(LOOKUP_KIND, prop.kind)) for prop in found]
+
     def _propose(self, reqs: list[Request], shapes: list[tuple[int, int]]) -> list[DraftProposal | None]:
-        """The drafter's proposals for the requests given a depth, each checked and trimmed
-        to its shape (None: no draft)."""
+        """The method's proposals for the requests given a depth, each checked and trimmed
+        to its shape (None: no draft); the planner learns what asking cost and brought."""
+        proposals, answered = self._ask(self.propose, "", reqs, shapes)
+        speculating = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
+        if speculating:
+            asked = [reqs[i] for i in speculating]
+            self.planner.observe_drafting(asked, max(shapes[i][0] for i in speculating), self.last_seconds,
+                                          trees=any(shapes[i][1] > shapes[i][0] for i in speculating))
+            self.planner.observe_asks([reqs[i] for i in answered], [proposals[i] for i in answered])
+        return proposals
+
+    def _ask(self, propose: pluggy.HookCaller, who: str, reqs: list[Request], shapes: list[tuple[int, int]]
+             ) -> tuple[list[DraftProposal | None], list[int]]:
+        """``propose``'s proposals for the requests given a depth, each checked and trimmed
+        to its shape (None: no draft), and the indices of the requests it answered without
+        a fault; its time is added to :attr:`seconds` (``who``: ``lookup`` or the method)."""
         proposals: list[DraftProposal | None] = [None] * len(reqs)
         speculating = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
+        self.last_seconds = 0.0
         if not speculating:
-            return proposals
+            return proposals, []
         asked = [reqs[i] for i in speculating]
         started = time.perf_counter()
         try:
             with torch.inference_mode():  # drafters run no autograd
-                got = self.hooks.prepare_draft_tokens(requests=asked,
-                                                      draft_lens=[shapes[i][0] for i in speculating],
-                                                      max_nodes=[shapes[i][1] for i in speculating])
+                got = propose(requests=asked, draft_lens=[shapes[i][0] for i in speculating],
+                              max_nodes=[shapes[i][1] for i in speculating])
             if got is not None and (not isinstance(got, (list, tuple)) or len(got) != len(speculating)):
                 raise TypeError(f"returned {got!r:.80} for {len(speculating)} requests; expected a list with "
                                 "one proposal or None per request")
         except Exception as exc:  # a failing drafter costs speed, never output
-            self._fault(asked, "prepare_draft_tokens raised", exc)
+            self._fault(asked, f"{who} prepare_draft_tokens raised".lstrip(), exc)
             got = None
-        self.seconds = time.perf_counter() - started
-        self.planner.observe_drafting(asked, max(shapes[i][0] for i in speculating), self.seconds,
-                                      trees=any(shapes[i][1] > shapes[i][0] for i in speculating))
-        answered = []  # requests whose drafter answered without a fault
+        self.last_seconds = time.perf_counter() - started
+        self.seconds += self.last_seconds
+        answered = []
         for i, prop in zip(speculating, got or []):
-            reqs[i].metrics.draft_time += self.seconds / len(speculating)
+            reqs[i].metrics.draft_time += self.last_seconds / len(speculating)
             problem = None if prop is None else proposal_problem(prop, self.vocab_size)
             if problem:
-                self._fault([reqs[i]], "invalid proposal", problem)
+                self._fault([reqs[i]], f"{who} invalid proposal".lstrip(), problem)
                 continue
             answered.append(i)
             if prop is not None:
                 proposals[i] = self._trimmed(prop, *shapes[i])
-        self.planner.observe_asks([reqs[i] for i in answered], [proposals[i] for i in answered])
-        return proposals
+        return proposals, answered
 
     def _trimmed(self, prop: DraftProposal, max_depth: int, max_nodes: int) -> DraftProposal | None:
         """``prop`` cut to the allowed depth and node count; None if nothing is left.

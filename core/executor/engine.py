@@ -33,6 +33,7 @@ from ..kvcache import HiddenStateCache, KVCacheManager
 from ..kvcache.layout import AttentionLayout, SequenceSlice
 from ..model.target import ForwardMetadata, TargetModel
 from ..numerics.auto import resolve_batch_invariant, resolve_compile
+from ..plugins import proposal_callers
 from ..sampler.grammar import GrammarCompiler
 from ..sampling_params import SamplingParams
 from .cuda_graphs import CudaGraphs
@@ -109,7 +110,8 @@ class Engine:
                                                 min_rows=target.lone_token_rows)
                         if spec is not None else None)
         self.drafts = DraftStage(self.hooks, self.planner, self.kv, target.vocab_size, self.max_model_len,
-                                 spec.decoding_type if spec is not None else "drafter")
+                                 spec.decoding_type if spec is not None else "drafter",
+                                 *(proposal_callers(hooks) if hooks is not None else ()))
         graphs = (CudaGraphs(target, cache, config.block_size, self.max_model_len, config.max_batch_size,
                              self.state_layers)
                   if config.cuda_graphs else None)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams, hookimpl, testing
-from specdec.drafting.interface import DraftProposal
+from specdec.drafting.interface import LOOKUP_KIND, DraftProposal
 from specdec.executor.planner import (
     AcceptanceCalibration,
     AcceptanceSpread,
@@ -974,3 +974,82 @@ def test_a_batch_kept_from_drafting_rests_from_planning_while_its_requests_stay(
     assert all(d > 0 for d, _ in drafted) and Counting.calls == 4  # planned again after the rest: drafts pay
     step(reqs[:2])
     assert Counting.calls == 5  # drafting: planned every step
+
+
+def test_a_lookup_draft_is_preferred_where_it_promises_as_many_tokens_a_second_as_the_methods():
+    """Each priced alone in the step at its best depth: the method with its levels' drafting
+    time, the lookup's draft (drafted already) without; the method's own depth is planned
+    from its own estimate, not the lookup's kinds."""
+    from specdec.executor.planner import StepShape
+
+    shape = StepShape([(10, 1)], padded=True)
+    planner, req = planner_with(FixedCosts(step=1.0, per_token=0.25, per_level=0.3)), request("a")
+    long, short = (LOOKUP_KIND, 6), (LOOKUP_KIND, 1)
+    for i in range(30):
+        planner.observe(req, long, depth=4, accepted=4)  # long matches: always right
+        planner.observe(req, short, depth=4, accepted=0)
+        planner.observe(req, None, depth=3, accepted=int(i % 10 != 0))  # the method: its first position, 90%
+    assert planner.plan([req], [(3, 3)], shape) == [(1, 1)]  # the long matches would pay for 3 levels
+    four = [1, 2, 3, 4]
+    lookups = [DraftProposal(token_ids=four, kind=long), DraftProposal(token_ids=four, kind=short), None]
+    assert [planner.prefer_lookup([req], [prop], [(1, 1)], shape) for prop in lookups] == [[True], [False], [False]]
+    # the method off this step: its draft is worth nothing, the lookup's is left to trim()
+    assert planner.prefer_lookup([req], [DraftProposal(token_ids=four, kind=short)], [(0, 0)], shape) == [True]
+    # a lookup kind right half the time against a method always right at depth 1: the
+    # method's level decides it, free or at 60% of a step
+    for per_level, want in ((0.0, [False]), (0.6, [True])):
+        other = planner_with(FixedCosts(step=1.0, per_token=0.5, per_level=per_level))
+        for i in range(30):
+            other.observe(req, long, depth=4, accepted=4 * (i % 2))
+            other.observe(req, None, depth=1, accepted=1)
+        assert other.prefer_lookup([req], lookups[:1], [(1, 1)], shape) == want
+    fixed = DraftPlanner(lambda depth: depth, probe_interval=4, adaptive=False)
+    assert fixed.prefer_lookup([req] * 2, lookups[1:], [(3, 3)] * 2, None) == [True, False]  # wherever there is one
+
+
+def test_a_lookup_draft_kept_where_the_method_was_off_is_no_step_without_drafts():
+    from specdec.executor.planner import StepShape
+
+    planner, req = planner_with(FixedCosts(step=1.0, per_token=0.01, per_level=0.9)), request("a")
+    planner.shape_for_batch, planner.lookup_shape_for_batch = (lambda batch: (3, 3)), (lambda batch: (8, 8))
+    for _ in range(30):
+        planner.observe(req, None, depth=3, accepted=0)
+        planner.observe(req, (LOOKUP_KIND, 5), depth=4, accepted=4)
+        planner.observe(req, (LOOKUP_KIND, 1), depth=4, accepted=0)
+    shape = StepShape([(10, 1)], padded=True)
+    assert planner.shapes([req], [8], 1, 100, shape) == [(0, 0)]
+    assert req.metrics.num_steps_speculation_off == 1  # the method was kept off...
+    (kept,) = planner.trim([req], [DraftProposal(token_ids=[1, 2, 3, 4], kind=(LOOKUP_KIND, 5))], shape)
+    assert kept.depth == 4 and req.metrics.num_steps_speculation_off == 0  # ...and the step drafted anyway
+    planner.shapes([req], [8], 1, 100, shape)
+    (kept,) = planner.trim([req], [DraftProposal(token_ids=[1, 2], kind=(LOOKUP_KIND, 1))], shape)
+    assert kept is None and req.metrics.num_steps_speculation_off == 1  # off, and counted once
+
+
+def test_a_lookup_that_brings_less_than_asking_costs_is_asked_one_step_in_eight():
+    """Tokens accepted from its drafts per request asked, each worth the step's seconds per
+    token, against the seconds asking took per request: a lookup that pays is asked every
+    step, one that does not one step in ``LOOKUP_PROBE_INTERVAL``, which keeps its worth
+    current; worth regained, every step again."""
+    from specdec.executor.planner import StepShape
+    from specdec.executor.planner.lookup_worth import LOOKUP_PROBE_INTERVAL
+
+    planner = planner_with(FixedCosts(step=0.02, per_token=0.0, per_level=0.0))  # 20 ms a step
+    planner.shape_for_batch = planner.lookup_shape_for_batch = lambda batch: (4, 4)
+    reqs = [request(f"r{i}") for i in range(8)]
+    shape = StepShape([(10, 1)] * 8, padded=True)  # a token of this batch: 2.5 ms
+
+    def run(steps: int, accepted: int, seconds: float) -> list[bool]:
+        asked = []
+        for _ in range(steps):
+            shapes = planner.lookup_shapes(reqs, [8] * 8, 8, 100, shape)
+            asked.append(any(depth for depth, _ in shapes))
+            if asked[-1]:
+                planner.observe_lookup(8, seconds)
+            planner.lookup_worth.observe_step(accepted if asked[-1] else 0)
+        return asked
+
+    assert all(run(40, accepted=2, seconds=8 * 100e-6))  # 0.25 tokens a request, worth 625 us > 100 us
+    asked = run(80, accepted=0, seconds=8 * 100e-6)  # nothing accepted: 0.25 decays below 0.04
+    assert sum(asked[-40:]) == 40 // LOOKUP_PROBE_INTERVAL
+    assert all(run(40, accepted=8, seconds=8 * 100e-6)[LOOKUP_PROBE_INTERVAL:])  # a token a request again

@@ -8,7 +8,8 @@ import sys
 import textwrap
 
 import pytest
-from helpers import long_document_prompt
+from helpers import count_accepted_by_source, long_document_prompt
+from specdec_test_support.embedded import steady_costs
 
 from specdec import LLM, SamplingParams
 from specdec.errors import RequestError
@@ -78,6 +79,24 @@ def test_speculation_on_long_prompts_equals_plain(default_target, prompts, alone
     for n, out in zip(LENGTHS, outs):
         assert out.token_ids == alone[n], f"{method}, {n} tokens"
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def test_a_lookup_beside_eagle3_under_the_planner_on_long_prompts_batched_with_a_short_one(
+        default_target, prompts, monkeypatch):
+    """EAGLE-3 with suffix decoding as its lookup (``speculative_config.lookup``), the
+    adaptive planner on a fixed cost model (its choices then do not follow the machine's
+    load): the answers to documents of 2,000 and 600 tokens, which quote them, beside a
+    short chat, equal plain decoding's, and drafts of both were accepted."""
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    batch = [prompts[2000], default_target.apply_chat_template([{"role": "user", "content": "Name a color."}]),
+             prompts[600]]
+    want = [o.token_ids for o in default_target.generate(batch, params)]
+    accepted = count_accepted_by_source(monkeypatch)
+    spec = LLM(engine={"compile": False},
+               speculative_config={"decoding_type": "eagle3", "lookup": {"decoding_type": "suffix"}})
+    steady_costs(spec)
+    assert [o.token_ids for o in spec.generate(batch, params)] == want
+    assert accepted["lookup"] > 0 and accepted["method"] > 0, accepted
 
 
 def test_a_prompt_past_the_context_is_a_clear_error_and_the_engine_goes_on(prompts):

@@ -179,17 +179,38 @@ class Proposing:
         return [self.proposal for _ in requests]
 
 
-def draft_stage(proposal, num_blocks=8, shape=(3, 3)):
+class ProposingFor(Proposing):
+    """A lookup drafter that proposes ``proposal`` for the requests in ``matches`` only."""
+
+    def __init__(self, proposal, matches):
+        super().__init__(proposal)
+        self.matches = matches
+
+    @hookimpl
+    def prepare_draft_tokens(self, requests, draft_lens, max_nodes):
+        self.asked.append((list(draft_lens), list(max_nodes)))
+        return [self.proposal if req.request_id in self.matches else None for req in requests]
+
+
+class Failing:
+    @hookimpl
+    def prepare_draft_tokens(self, requests, draft_lens, max_nodes):
+        raise RuntimeError("lookup broke")
+
+
+def draft_stage(proposal, num_blocks=8, shape=(3, 3), lookup=None, lookup_shape=(6, 6)):
     from specdec.executor.draft_stage import DraftStage
     from specdec.executor.planner import DraftPlanner
-    from specdec.plugins import drafter_plugin_manager
+    from specdec.plugins import drafter_plugin_manager, proposal_callers
 
     cache = PagedKVCache([(1, 2, 2)], num_blocks=num_blocks, block_size=4, dtype=torch.float32,
                          device=torch.device("cpu"))
     kv = KVCacheManager(cache, num_blocks, 4, enable_prefix_caching=False)
-    planner = DraftPlanner(lambda depth: depth, probe_interval=8, adaptive=False, shape_for_batch=lambda batch: shape)
+    planner = DraftPlanner(lambda depth: depth, probe_interval=8, adaptive=False, shape_for_batch=lambda batch: shape,
+                           lookup_shape_for_batch=(lambda batch: lookup_shape) if lookup is not None else None)
     drafter = Proposing(proposal)
-    stage = DraftStage(drafter_plugin_manager(drafter, "test").hook, planner, kv, VOCAB, 64, "test")
+    pm = drafter_plugin_manager(drafter, "test", lookup)
+    stage = DraftStage(pm.hook, planner, kv, VOCAB, 64, "test", *proposal_callers(pm))
     return stage, kv, drafter
 
 
@@ -214,3 +235,29 @@ def test_the_draft_stage_drops_invalid_drafts_and_drafts_without_room_and_decode
     kv.reserve(req, 1)
     (item,) = stage.decode_items([req], allowances=[3], batch_size=1, before_drafts=None)
     assert item.proposal is None and item.tokens == [3] and req.metrics.num_drafter_faults == 0
+
+
+def test_a_lookup_drafts_where_it_has_a_draft_and_the_method_is_asked_for_the_others_only():
+    from specdec.drafting.interface import LOOKUP_KIND
+
+    lookup = ProposingFor(DraftProposal(token_ids=[7, 8, 9, 10, 11], kind=3), matches={"a"})
+    stage, kv, drafter = draft_stage(DraftProposal(token_ids=[5, 6]), shape=(2, 2), lookup=lookup, lookup_shape=(4, 4))
+    a, b = request(), request()
+    a.request_id, b.request_id = "a", "b"
+    for req in (a, b):
+        kv.reserve(req, 1)
+    items = stage.decode_items([a, b], allowances=[6, 6], batch_size=2, before_drafts=None)
+    assert lookup.asked == [([4, 4], [4, 4])]  # every request, at the lookup's own shape
+    assert drafter.asked == [([2], [2])]  # the method: b alone
+    assert items[0].proposal.token_ids == [7, 8, 9, 10] and items[0].proposal.kind == (LOOKUP_KIND, 3)
+    assert items[1].proposal.token_ids == [5, 6] and items[1].proposal.kind is None
+    assert stage.draft_budget(2) == 4  # room for the deeper of the two shapes
+
+
+def test_a_failing_lookup_costs_its_drafts_and_the_method_drafts_for_every_request():
+    stage, kv, drafter = draft_stage(DraftProposal(token_ids=[5, 6]), shape=(2, 2), lookup=Failing())
+    req = request()
+    kv.reserve(req, 1)
+    (item,) = stage.decode_items([req], allowances=[6], batch_size=1, before_drafts=None)
+    assert drafter.asked == [([2], [2])] and item.proposal.token_ids == [5, 6]
+    assert req.metrics.num_drafter_faults == 1 and stage.faults == {"lookup prepare_draft_tokens raised": 1}

@@ -27,10 +27,11 @@ from collections.abc import Callable, Hashable
 import attrs
 
 from ...config import SpeculativeConfig
-from ...drafting.interface import TREE_KIND, first_child_path
+from ...drafting.interface import TREE_KIND, first_child_path, is_lookup_kind
 from .acceptance import AcceptanceCalibration, AcceptanceSpread, AcceptanceStats
 from .cost_model import FixedCosts, StepCostModel
 from .depth_choice import DraftOption, StepLoad, StepShape, attention_work, best_depths
+from .lookup_worth import LookupWorth
 from .probe_budget import ProbeBudget
 
 #: drafts the engine verifies, one request a step, before a batch verifies drafts on the
@@ -40,6 +41,13 @@ COLD_START_DRAFTS = 4
 #: steps a batch that plan() kept entirely from drafting goes without planning, while its
 #: requests stay the same: its estimates change only when drafts are verified
 REST_STEPS = 4
+
+
+def _nodes_by_depth(prop) -> list[int]:
+    """The target tokens ``prop`` adds verified to each depth ``0..prop.depth`` (its aux
+    tokens go with any depth)."""
+    node_depths = prop.depths()
+    return [0] + [sum(d <= j for d in node_depths) + len(prop.aux_token_ids) for j in range(1, prop.depth + 1)]
 
 
 @attrs.define
@@ -87,10 +95,12 @@ class DraftPlanner:
                  chain_or_tree: bool = False, adaptive: bool = True,
                  shape_for_batch: Callable[[int], tuple[int, int]] | None = None,
                  pause: LowAcceptancePause | None = None, costs: StepCostModel | FixedCosts | None = None,
-                 padded_attention: bool = False, tree_batch: bool = False, min_rows: int = 1):
+                 padded_attention: bool = False, tree_batch: bool = False, min_rows: int = 1,
+                 lookup_shape_for_batch: Callable[[int], tuple[int, int]] | None = None):
         self.nodes_for_depth = nodes_for_depth
         self.min_rows = min_rows
         self.shape_for_batch = shape_for_batch
+        self.lookup_shape_for_batch = lookup_shape_for_batch
         self.adaptive = adaptive
         self.pause = pause
         self.chain_or_tree = chain_or_tree
@@ -105,6 +115,9 @@ class DraftPlanner:
         self.requests: dict[str, RequestDraftState] = {}
         self._probing: set[int] = set()  # ids of the requests plan() asked for a probe this step
         self.rest_steps = REST_STEPS
+        self._counted_off: set[int] = set()  # ids of the requests counted without drafts this step
+        #: whether asking the lookup drafter pays (:mod:`.lookup_worth`)
+        self.lookup_worth = LookupWorth()
         self._rest: tuple[tuple[str, ...], int] | None = None  # (requests, steps left) of a batch kept from drafting
         self.num_verified = 0  # drafts verified since the engine started
         self.num_warm_ups = 0
@@ -123,9 +136,11 @@ class DraftPlanner:
         pause = (LowAcceptancePause(spec.min_acceptance_rate, spec.acceptance_window, spec.retry_after)
                  if spec.min_acceptance_rate > 0 else None)
         # the config is frozen: its shapes are worked out once per depth and batch size
+        lookup = functools.cache(spec.lookup.draft_shape_for_batch) if spec.lookup is not None else None
         return cls(functools.cache(spec.nodes_for_depth), spec.probe_interval, chain_or_tree=spec.chain_or_tree,
                    adaptive=spec.is_adaptive, shape_for_batch=functools.cache(spec.draft_shape_for_batch),
-                   pause=pause, padded_attention=padded_attention, tree_batch=tree_batch, min_rows=min_rows)
+                   pause=pause, padded_attention=padded_attention, tree_batch=tree_batch, min_rows=min_rows,
+                   lookup_shape_for_batch=lookup)
 
     # -- before drafting ----------------------------------------------------------------
 
@@ -136,8 +151,38 @@ class DraftPlanner:
                          padded=self.padded_attention, tree_batch=self.tree_batch)
 
     def draft_budget(self, batch_size: int) -> int:
-        """Draft nodes the scheduler keeps room for per decoding request."""
-        return self.shape_for_batch(max(batch_size, 1))[1]
+        """Draft nodes the scheduler keeps room for per decoding request (the method's or
+        its lookup's, whichever is more)."""
+        shapes = [self.shape_for_batch] + ([self.lookup_shape_for_batch] if self.lookup_shape_for_batch else [])
+        return max(shape(max(batch_size, 1))[1] for shape in shapes)
+
+    def _caps(self, reqs: list, allowances: list[int], shape: tuple[int, int], max_model_len: int
+              ) -> list[tuple[int, int]]:
+        """(depth, nodes) of ``shape`` within the scheduler's allowance and the room left in
+        each request and the context; none while the request is paused."""
+        depth, nodes = shape
+        caps = []
+        for req, allowance in zip(reqs, allowances):
+            room = min(req.sampling_params.max_tokens - req.num_output_tokens,
+                       max_model_len - len(req.token_ids)) - 1
+            d = 0 if self._paused(req) else max(0, min(depth, room, allowance))
+            caps.append((d, min(nodes, allowance) if d else 0))
+        return caps
+
+    def lookup_shapes(self, reqs: list, allowances: list[int], batch_size: int, max_model_len: int,
+                      shape: StepShape) -> list[tuple[int, int]]:
+        """The (depth, nodes) to ask each request's lookup drafter for: its configured shape
+        within the same bounds as the method's, none where asking does not pay this step
+        (:mod:`.lookup_worth`); the planner prices what it proposes (:meth:`prefer_lookup`, :meth:`trim`)."""
+        if self.adaptive and not self.lookup_worth.worth_asking(
+                self.step_seconds(shape)(shape.tokens, 1, 0) / max(len(reqs), 1)):
+            return [(0, 0)] * len(reqs)
+        return self._caps(reqs, allowances, self.lookup_shape_for_batch(batch_size), max_model_len)
+
+    def observe_lookup(self, requests: int, seconds: float) -> None:
+        """Asking the lookup for ``requests`` requests and pricing its drafts took ``seconds``."""
+        if self.adaptive:
+            self.lookup_worth.observe_ask(requests, seconds)
 
     def shapes(self, reqs: list, allowances: list[int], batch_size: int, max_model_len: int,
                shape: StepShape) -> list[tuple[int, int]]:
@@ -145,19 +190,14 @@ class DraftPlanner:
         ``batch_size`` within the scheduler's allowance and the room left in the request
         and the context, none while the request is paused, then, if adaptive, the depth
         that pays (:meth:`plan`), none while the batch rests from planning (:meth:`_resting`)."""
-        depth, nodes = self.shape_for_batch(batch_size)
-        caps = []
-        for req, allowance in zip(reqs, allowances):
-            room = min(req.sampling_params.max_tokens - req.num_output_tokens,
-                       max_model_len - len(req.token_ids)) - 1
-            d = 0 if self._paused(req) else max(0, min(depth, room, allowance))
-            caps.append((d, min(nodes, allowance) if d else 0))
+        caps = self._caps(reqs, allowances, self.shape_for_batch(batch_size), max_model_len)
+        self._counted_off = set()
         if not self.adaptive:
             return caps
         if self._resting(reqs):
             for req, (d, _) in zip(reqs, caps):
                 if d:
-                    req.metrics.num_steps_speculation_off += 1
+                    self._count_off(req)
             return [(0, 0)] * len(reqs)
         planned = self.plan(reqs, caps, shape)
         if any(d for d, _ in caps) and not any(d for d, _ in planned):
@@ -179,6 +219,39 @@ class DraftPlanner:
 
     def _paused(self, req) -> bool:
         return self.pause is not None and req.metrics.num_steps < self.state(req).paused_until
+
+    def _count_off(self, req) -> None:
+        """``req`` could have drafted this step and will verify no draft (once a step)."""
+        if id(req) not in self._counted_off:
+            self._counted_off.add(id(req))
+            req.metrics.num_steps_speculation_off += 1
+
+    def prefer_lookup(self, reqs: list, lookups: list, shapes: list[tuple[int, int]], shape: StepShape
+                      ) -> list[bool]:
+        """For each request, whether its lookup drafter's proposal (None: none) is drafted in
+        place of asking the method for the (depth, nodes) of ``shapes``: where it promises at
+        least as many tokens per second, each priced alone in the step at the depth that pays
+        most for it, the method with what drafting its levels costs, the lookup's draft with
+        none (it is drafted already); without the planner, wherever there is one.
+        :meth:`trim` then cuts it to the depth it is worth, as any draft."""
+        if not self.adaptive:
+            return [prop is not None for prop in lookups]
+        calibrated = self.calibration.apply
+        hit = max(self.stats.draft_rate(), 0.05)
+        out = []
+        for i, (req, prop, (depth, nodes)) in enumerate(zip(reqs, lookups, shapes)):
+            if prop is None or not depth:
+                out.append(prop is not None)
+                continue
+            stats = self.request_stats(req)
+            tree = self.chain_or_tree and nodes > depth
+            method = DraftOption(calibrated(stats.curve(TREE_KIND if tree else None, depth)),
+                                 [0] + [min(self.nodes_for_depth(j), nodes) for j in range(1, depth + 1)])
+            lookup = DraftOption(calibrated(stats.curve(prop.kind, prop.depth)), _nodes_by_depth(prop))
+            drafting = functools.partial(self._drafting_seconds, trees=tree, hit=hit)
+            out.append(self._rate_alone(i, lookup, len(reqs), shape, prop.verified_as_tree)
+                       >= self._rate_alone(i, method, len(reqs), shape, tree, drafting))
+        return out
 
     # -- after drafting and verification --------------------------------------------------
 
@@ -222,6 +295,9 @@ class DraftPlanner:
                 self.observe_decode(it.request, it.proposal, res.accepted_nodes)
         if not self.adaptive:
             return
+        if self.lookup_shape_for_batch is not None:
+            self.lookup_worth.observe_step(sum(len(res.accepted_nodes) for it, res in zip(items, results)
+                                               if it.proposal is not None and is_lookup_kind(it.proposal.kind)))
         sequences = [(it.start, len(it.tokens)) for it in items]
         tokens = sum(n for _, n in sequences)
         widest = max((len(it.tokens) for it in items if not it.is_prefill), default=1)
@@ -285,7 +361,8 @@ class DraftPlanner:
                 candidates.append([DraftOption(calibrated(stats.curve(TREE_KIND, depth)), tree_nodes),
                                    DraftOption(calibrated(stats.curve(None, depth)), chain_nodes)])
                 continue
-            gains = max((stats.curve(kind, depth) for kind in stats.kinds() or {None}), key=sum)
+            kinds = {kind for kind in stats.kinds() if not is_lookup_kind(kind)} or {None}
+            gains = max((stats.curve(kind, depth) for kind in kinds), key=sum)
             candidates.append([DraftOption(calibrated(gains), tree_nodes)])
         mean_hit = sum(hits) / len(hits) if hits else 1.0
         chains = self._chain_or_tree(candidates, shape, mean_hit)
@@ -309,7 +386,7 @@ class DraftPlanner:
                 self._probing.add(id(reqs[i]))
         for i in off:
             if depths[i] == 0:
-                reqs[i].metrics.num_steps_speculation_off += 1
+                self._count_off(reqs[i])
         return [(d, d if chain else min(self.nodes_for_depth(d), nodes) if d else 0)
                 for d, chain, (_, nodes) in zip(depths, chains, caps)]
 
@@ -327,24 +404,27 @@ class DraftPlanner:
         is chosen while its estimate pays for them; an estimate not yet verified starts at
         the same guess for both, so the tree is tried where the chain does poorly."""
         chains = [False] * len(candidates)
-        none = DraftOption([], [0])
         for i, pair in enumerate(candidates):
             if len(pair) < 2:
                 continue
-            rates = []
-            for opt in pair:
-                alone = [none] * len(candidates)
-                alone[i] = opt
-                tree = opt is pair[0]
-                step = self.step_seconds(shape, trees=tree)
-                drafting = functools.partial(self._drafting_seconds, trees=tree, hit=hit)
-                depth = best_depths(alone, shape.tokens, step, drafting)[i]
-                tokens = shape.tokens + opt.nodes[depth]
-                expected = len(candidates) + sum(opt.gains[:depth])
-                seconds = step(tokens, 1 + opt.nodes[depth], int(depth > 0)) + drafting(depth, expected)
-                rates.append(expected / seconds)
-            chains[i] = rates[1] >= rates[0]
+            tree, chain = (self._rate_alone(i, opt, len(candidates), shape, opt is pair[0],
+                                            functools.partial(self._drafting_seconds, trees=opt is pair[0], hit=hit))
+                           for opt in pair)
+            chains[i] = chain >= tree
         return chains
+
+    def _rate_alone(self, i: int, option: DraftOption, count: int, shape: StepShape, trees: bool,
+                    drafting: Callable[[int, float], float] = lambda depth, tokens: 0.0) -> float:
+        """Expected tokens per second of a step of ``count`` requests in which request ``i``
+        alone drafts ``option``, at the depth that pays most for it (``drafting``: what
+        asking for a depth costs)."""
+        alone = [DraftOption([], [0])] * count
+        alone[i] = option
+        step = self.step_seconds(shape, trees=trees)
+        depth = best_depths(alone, shape.tokens, step, drafting)[i]
+        expected = count + sum(option.gains[:depth])
+        return expected / (step(shape.tokens + option.nodes[depth], 1 + option.nodes[depth], int(depth > 0))
+                           + (drafting(depth, expected) if depth else 0.0))
 
     def trim(self, reqs: list, proposals: list, shape: StepShape) -> list:
         """The proposals cut to the depth each is worth verifying (None: none of it), from
@@ -362,11 +442,8 @@ class DraftPlanner:
             if prop is None or prop.depth == 0:
                 options.append(DraftOption([], [0]))
                 continue
-            node_depths = prop.depths()
-            nodes = [0] + [sum(d <= j for d in node_depths) + len(prop.aux_token_ids)
-                           for j in range(1, prop.depth + 1)]
             options.append(DraftOption(self.calibration.apply(self.request_stats(req).curve(prop.kind, prop.depth)),
-                                       nodes))
+                                       _nodes_by_depth(prop)))
         step = self.step_seconds(shape, trees=any(prop is not None and prop.verified_as_tree for prop in proposals))
         depths = self._one_while_cold(best_depths(options, shape.tokens, step), options)
         load = StepLoad(shape.tokens, options, depths)
@@ -403,7 +480,10 @@ class DraftPlanner:
                 for i, prop in enumerate(proposals)]
         for req, prop, k in zip(reqs, proposals, kept):
             if prop is not None and k is None:
-                req.metrics.num_steps_speculation_off += 1
+                self._count_off(req)
+            elif k is not None and id(req) in self._counted_off:  # a lookup's draft where the method was off
+                self._counted_off.discard(id(req))
+                req.metrics.num_steps_speculation_off -= 1
         return kept
 
     def _one_while_cold(self, depths: list[int], options: list[DraftOption]) -> list[int]:
