@@ -84,13 +84,14 @@ class SpeculativeConfig:
             (:mod:`specdec.drafting.chain_stop`). ``0``: chains grow to the depth asked.
         lookup: a second method, asked first each step for every decoding request: a
             lookup in text already seen (``{decoding_type: suffix}`` or ``ngram``), whose
-            draft costs no model forward. Where the adaptive planner expects its draft to
-            be accepted at least as far as this method's, over the depth it would ask of
-            this method, the lookup's draft is verified and this method is not asked;
-            without the planner, wherever the lookup has a draft
-            (:mod:`specdec.executor.draft_stage`). Text that repeats itself or earlier
-            requests (agents, edits, templated answers) then drafts deep for free, and the
-            rest from this method. Its own ``max_draft_len`` bounds its drafts.
+            draft costs no model forward. Where the adaptive planner prices its draft at
+            least as high as this method's (tokens a second, this method's drafting time
+            counted), the lookup's draft is verified and this method is not asked; without
+            the planner, wherever the lookup has a draft
+            (:meth:`specdec.executor.planner.DraftPlanner.prefer_lookup`). Text that
+            repeats itself or earlier requests (agents, edits, templated answers) then
+            drafts deep for free, and the rest from this method. Its own ``max_draft_len``
+            bounds its drafts.
     """
 
     decoding_type: str
