@@ -1,5 +1,6 @@
 """Adaptive draft lengths, in parts: the step-cost model, acceptance statistics, the choice
-of depths, the probe budget, and the planner that applies them each step."""
+of depths, the probe budget, what asking a lookup drafter is worth, and the planner that
+applies them each step."""
 
 from .acceptance import AcceptanceCalibration, AcceptanceSpread, AcceptanceStats
 from .cost_model import FixedCosts, StepCostModel

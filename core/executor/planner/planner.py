@@ -6,7 +6,9 @@ step and a draft level cost (:mod:`.cost_model`) and how often each draft positi
 accepted (:mod:`.acceptance`). :mod:`.depth_choice` prices the choices; the planner runs it
 before drafting (drafting time counted) and on the proposals (to trim each to the depth its
 own kind earns). Where a drafter may grow a chain instead of its dynamic tree, each request
-gets whichever pays more by its own estimates. The gains it prices are scaled, position by
+gets whichever pays more by its own estimates; where a method has a lookup drafter, its
+draft replaces the method's where it pays as much (:meth:`DraftPlanner.prefer_lookup`),
+and the lookup is asked where asking pays (:mod:`.lookup_worth`). The gains it prices are scaled, position by
 position, by what the target accepted of the drafts verified against what was expected of
 them (:class:`.acceptance.AcceptanceCalibration`): drafts are verified where their
 estimates are high, so these estimates err high. Requests kept from drafting are probed
