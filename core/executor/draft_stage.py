@@ -70,10 +70,6 @@ class DraftStage:
         self.faults: dict[str, int] = {}
         #: seconds the drafters took in the last step
         self.seconds = 0.0
-        #: seconds of the last drafting call
-        self.last_seconds = 0.0
-        #: requests the lookup drafter was asked for this step
-        self.lookup_asked = 0
         self._warned: set[str] = set()
 
     def draft_budget(self, batch_size: int) -> int:
@@ -87,13 +83,14 @@ class DraftStage:
         if self.planner is None or self.hooks is None or not reqs:
             return [StepItem.decode(req) for req in reqs]
         shapes = self.planner.shapes(reqs, allowances, batch_size, self.max_model_len, before_drafts)
-        lookups = self._lookups(reqs, allowances, batch_size, before_drafts)
-        if lookups is not None:
+        lookups = None
+        if self.propose_lookup is not None:
             started = time.perf_counter()
+            lookups, asked = self._lookups(reqs, allowances, batch_size, before_drafts)
             preferred = self.planner.prefer_lookup(reqs, lookups, shapes, before_drafts)
             shapes = [(0, 0) if lookup else shape for shape, lookup in zip(shapes, preferred)]
-            if self.lookup_asked:
-                self.planner.observe_lookup(self.lookup_asked, self.last_seconds + time.perf_counter() - started)
+            if asked:  # what asking the lookup and pricing its drafts took
+                self.planner.observe_lookup(asked, time.perf_counter() - started)
         proposals = self._propose(reqs, shapes)
         if lookups is not None:
             proposals = [lookup if use else prop for prop, lookup, use in zip(proposals, lookups, preferred)]
@@ -126,38 +123,35 @@ class DraftStage:
             self._fault([r.request for r in results], "on_draft_verified raised", exc)
 
     def _lookups(self, reqs: list[Request], allowances: list[int], batch_size: int, before_drafts: StepShape
-                 ) -> list[DraftProposal | None] | None:
-        """The lookup drafter's proposals, of kind ``(LOOKUP_KIND, its own)``; None without
-        one. :attr:`lookup_asked`: the requests it was asked for."""
-        if self.propose_lookup is None:
-            return None
+                 ) -> tuple[list[DraftProposal | None], int]:
+        """The lookup drafter's proposals, of kind ``(LOOKUP_KIND, its own)``, and how many
+        requests it was asked for."""
         shapes = self.planner.lookup_shapes(reqs, allowances, batch_size, self.max_model_len, before_drafts)
-        self.lookup_asked = sum(depth > 0 for depth, _ in shapes)
-        found, _ = self._ask(self.propose_lookup, "lookup", reqs, shapes)
-        return [None if prop is None else attrs.evolve(prop, kind=(LOOKUP_KIND, prop.kind)) for prop in found]
+        asking = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
+        found, _, _ = self._ask(self.propose_lookup, "lookup", reqs, shapes, asking)
+        tagged = [None if prop is None else attrs.evolve(prop, kind=(LOOKUP_KIND, prop.kind)) for prop in found]
+        return tagged, len(asking)
 
     def _propose(self, reqs: list[Request], shapes: list[tuple[int, int]]) -> list[DraftProposal | None]:
         """The method's proposals for the requests given a depth, each checked and trimmed
         to its shape (None: no draft); the planner learns what asking cost and brought."""
-        proposals, answered = self._ask(self.propose, "", reqs, shapes)
         speculating = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
+        proposals, answered, seconds = self._ask(self.propose, "", reqs, shapes, speculating)
         if speculating:
-            asked = [reqs[i] for i in speculating]
-            self.planner.observe_drafting(asked, max(shapes[i][0] for i in speculating), self.last_seconds,
-                                          trees=any(shapes[i][1] > shapes[i][0] for i in speculating))
+            self.planner.observe_drafting([reqs[i] for i in speculating], max(shapes[i][0] for i in speculating),
+                                          seconds, trees=any(shapes[i][1] > shapes[i][0] for i in speculating))
             self.planner.observe_asks([reqs[i] for i in answered], [proposals[i] for i in answered])
         return proposals
 
-    def _ask(self, propose: pluggy.HookCaller, who: str, reqs: list[Request], shapes: list[tuple[int, int]]
-             ) -> tuple[list[DraftProposal | None], list[int]]:
-        """``propose``'s proposals for the requests given a depth, each checked and trimmed
-        to its shape (None: no draft), and the indices of the requests it answered without
-        a fault; its time is added to :attr:`seconds` (``who``: ``lookup`` or the method)."""
+    def _ask(self, propose: pluggy.HookCaller, who: str, reqs: list[Request], shapes: list[tuple[int, int]],
+             speculating: list[int]) -> tuple[list[DraftProposal | None], list[int], float]:
+        """``propose``'s proposals for the requests ``speculating`` (indices into ``reqs``)
+        given a depth, each checked and trimmed to its shape (None: no draft), the indices of
+        the requests it answered without a fault, and the seconds it took, which are added
+        to :attr:`seconds` (``who``: ``lookup`` or the method)."""
         proposals: list[DraftProposal | None] = [None] * len(reqs)
-        speculating = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
-        self.last_seconds = 0.0
         if not speculating:
-            return proposals, []
+            return proposals, [], 0.0
         asked = [reqs[i] for i in speculating]
         started = time.perf_counter()
         try:
@@ -170,11 +164,11 @@ class DraftStage:
         except Exception as exc:  # a failing drafter costs speed, never output
             self._fault(asked, f"{who} prepare_draft_tokens raised".lstrip(), exc)
             got = None
-        self.last_seconds = time.perf_counter() - started
-        self.seconds += self.last_seconds
+        seconds = time.perf_counter() - started
+        self.seconds += seconds
         answered = []
         for i, prop in zip(speculating, got or []):
-            reqs[i].metrics.draft_time += self.last_seconds / len(speculating)
+            reqs[i].metrics.draft_time += seconds / len(speculating)
             problem = None if prop is None else proposal_problem(prop, self.vocab_size)
             if problem:
                 self._fault([reqs[i]], f"{who} invalid proposal".lstrip(), problem)
@@ -182,7 +176,7 @@ class DraftStage:
             answered.append(i)
             if prop is not None:
                 proposals[i] = self._trimmed(prop, *shapes[i])
-        return proposals, answered
+        return proposals, answered, seconds
 
     def _trimmed(self, prop: DraftProposal, max_depth: int, max_nodes: int) -> DraftProposal | None:
         """``prop`` cut to the allowed depth and node count; None if nothing is left.

@@ -7,13 +7,6 @@ from specdec_test_support import embedded
 
 from specdec import LLM, SamplingParams, testing
 
-#: turns of an agent that repeats itself: the second and third restate the first's answer
-AGENT_TURNS = [
-    "Write a Python function `area(w, h)` returning w * h, with a docstring.",
-    "Now write the same function again but name it `rect_area`, keeping the docstring.",
-    "Write the function `area(w, h)` once more, exactly as before.",
-]
-
 
 @pytest.fixture
 def accepted_by_source(monkeypatch):
@@ -22,7 +15,7 @@ def accepted_by_source(monkeypatch):
 
 def test_greedy_output_is_plain_with_drafts_of_the_lookup_and_of_the_method_accepted(accepted_by_source):
     params = SamplingParams(max_tokens=48, temperature=0.0)
-    chats = [[{"role": "user", "content": turn}] for turn in AGENT_TURNS]
+    chats = [[{"role": "user", "content": turn}] for turn in embedded.AGENT_TURNS]
     want = [o.token_ids for o in embedded.embedded_llm().chat(chats, params)]
     spec = LLM(speculative_config={"decoding_type": "eagle3", "adaptive": False,
                                    "lookup": {"decoding_type": "suffix"}})
@@ -38,7 +31,7 @@ def test_sampled_output_follows_the_targets_distribution_with_both_drafting(tmp_
     nothing, the lookup's (no distribution: one-hot) where it matched the prompt's repeats."""
     target = testing.tiny_model_dir(tmp_path / "target", vocab_size=32)
     draft = testing.tiny_model_dir(tmp_path / "draft", vocab_size=32, seed=1)
-    p_value, accepted = testing.check_sampling_lossless(
+    _, accepted = testing.check_sampling_lossless(  # asserts the p-value
         {"decoding_type": "draft_target", "speculative_model": str(draft), "max_draft_len": 2,
          "lookup": {"decoding_type": "suffix", "max_draft_len": 2, "max_spec_factor": 2.0}},
         target, prompt=[3, 4, 5, 6, 3, 4, 5, 6, 3, 4])

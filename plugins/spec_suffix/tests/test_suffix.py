@@ -179,13 +179,6 @@ def test_conformance():
                                      "source": "best_score", "min_request_match": 2})
 
 
-AGENT_TURNS = [
-    "Write a Python function `area(w, h)` returning w * h, with a docstring.",
-    "Now write the same function again but name it `rect_area`, keeping the docstring.",
-    "Write the function `area(w, h)` once more, exactly as before.",
-]
-
-
 @pytest.fixture(scope="module")
 def plain():
     return embedded.embedded_llm()
@@ -193,7 +186,7 @@ def plain():
 
 def test_greedy_lossless_alone_batched_and_with_the_cache_warm(plain):
     params = SamplingParams(max_tokens=48, temperature=0.0)
-    chats = [[{"role": "user", "content": t}] for t in AGENT_TURNS]
+    chats = [[{"role": "user", "content": t}] for t in embedded.AGENT_TURNS]
     want = [o.token_ids for o in plain.chat(chats, params)]
     spec = LLM(speculative_config={"decoding_type": "suffix", "adaptive": False})
     alone = [spec.chat(c, params)[0] for c in chats]  # each turn after the last: the cache warms

@@ -27,6 +27,14 @@ SHIPPED_CHECK_PROMPTS = [
     [{"role": "user", "content": "A box holds 12 eggs. How many eggs are in 7 boxes? Think step by step."}]]
 SHIPPED_CHECK_PARAMS = SamplingParams(max_tokens=48, temperature=0.0)
 
+#: Turns of an agent that repeats itself: the second and third restate the first's answer
+#: (what drafting from text already seen predicts).
+AGENT_TURNS = [
+    "Write a Python function `area(w, h)` returning w * h, with a docstring.",
+    "Now write the same function again but name it `rect_area`, keeping the docstring.",
+    "Write the function `area(w, h)` once more, exactly as before.",
+]
+
 
 @functools.lru_cache(maxsize=1)
 def embedded_llm() -> LLM:
