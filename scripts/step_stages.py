@@ -2,8 +2,9 @@
 as `specdec bench` does (multi-turn conversations turn by turn, ``--batch-size`` requests
 together, the bench's warm-up first), with every stage of its step timed.
 
-    .venv/bin/python scripts/step_stages.py plain ngram suffix [--dataset benchmarks/agentic.jsonl]
-        [--categories agent] [--batch-size 1] [--max-tokens 128] [--temperature 0.7 --top-p 0.9]
+    .venv/bin/python scripts/step_stages.py plain ngram suffix benchmarks/mtp_fixed.yaml
+        [--dataset benchmarks/agentic.jsonl] [--categories agent] [--batch-size 1] [--max-tokens 128]
+        [--temperature 0.7 --top-p 0.9]
 
 Prints, per method, tokens/s and engine steps, then the milliseconds a step of each stage:
 the target's forward, the verifier, the planner (before drafting, trimming, observing), the
@@ -23,23 +24,25 @@ import torch
 from ab_planner import add_prompt_options, sampling_of
 
 from specdec import LLM, SamplingParams
-from specdec.bench.runner import WARMUP, CategoryResult, _prompt_sets, run_llm
+from specdec.bench.runner import WARMUP, CategoryResult, _prompt_sets, method_config, run_llm
+from specdec.config import SpecdecConfig
 
 #: (owner attribute of the engine or None for the engine itself, method, label)
 STAGES = [(None, "forward", "forward"), ("verifier", "verify", "verify"), ("scheduler", "schedule", "schedule"),
           ("outputs", "process", "outputs"), ("kv_commit", "commit", "commit"),
           ("planner", "plan", "planner: plan"), ("planner", "trim", "planner: trim"),
           ("planner", "observe_step", "planner: observe"),
-          ("hooks", "prepare_draft_tokens", "drafter: draft"), ("hooks", "on_draft_verified", "drafter: verified")]
+          ("drafts", "propose", "drafter: draft"), ("drafts", "propose_lookup", "lookup: draft"),
+          ("hooks", "on_draft_verified", "drafter: verified")]
 
 
 def timed(engine, seconds: collections.Counter) -> None:
     """Wrap each stage of ``engine`` (those it has) to add its wall time into ``seconds``."""
     for owner, name, label in [*STAGES, (None, "step", "step")]:
         obj = engine if owner is None else getattr(engine, owner, None)
-        if obj is None:
+        inner = getattr(obj, name, None)
+        if inner is None:
             continue
-        inner = getattr(obj, name)
 
         def stage(*args, _inner=inner, _label=label, **kwargs):
             started = time.perf_counter()
@@ -53,15 +56,16 @@ def timed(engine, seconds: collections.Counter) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("methods", nargs="+", help="plain or a decoding type")
+    parser.add_argument("methods", nargs="+", help="plain, a decoding type or a YAML file (as `specdec bench` takes)")
     add_prompt_options(parser)
     parser.set_defaults(batch_size=1, max_tokens=128)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sets = _prompt_sets(args.dataset, args.categories, args.batch_size)
     params = sampling_of(args)
-    for method in args.methods:
-        llm = LLM(speculative_config=None if method == "plain" else {"decoding_type": method})
+    for system in args.methods:
+        method, config = method_config(SpecdecConfig(), system)
+        llm = LLM(config=config)
         llm.generate([llm.apply_chat_template(WARMUP)], SamplingParams(max_tokens=4, temperature=0.0))
         seconds: collections.Counter = collections.Counter()
         timed(llm.engine, seconds)

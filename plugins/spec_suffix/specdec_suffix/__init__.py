@@ -31,7 +31,7 @@ Options (defaults in brackets):
     max_match_len [12]: longest suffix matched.
     max_spec_factor [1.0], max_spec_offset [0.0]: draft nodes per matched token, and added.
     min_token_prob [0.1]: least path frequency a drafted node has.
-    max_cached_requests [1000], max_cached_tokens [200000]: the cache's bound (about 1 KB
+    max_cached_requests [1000], max_cached_tokens [200000]: the cache's bound (about 0.5 KB
         a cached token at the default depth: ``scripts/bench_suffix_cache.py``).
     cache_prompts [false]: whether prompts enter the cache too.
     cache_scope [engine]: ``engine`` or ``process`` (see above).
@@ -138,10 +138,10 @@ class SuffixDrafter(Drafter):
             if budget <= 0:
                 break  # shorter matches get no more nodes
             node = trie.node_of(context[len(context) - matched:])
-            if seen is not None and node.count == seen[0] and budget <= seen[1]:
+            if seen is not None and trie.count[node] == seen[0] and budget <= seen[1]:
                 continue  # it occurred only where the longer match did: the same tree, no more nodes
             tokens, parents, scores = trie.draft(node, budget, depth, self.config.min_token_prob)
-            seen = (node.count, trie.depth - matched)
+            seen = (trie.count[node], trie.depth - matched)
             if tokens and (best is None or sum(scores) > best[0]):
                 best = (sum(scores), tokens, parents, matched)
         return best

@@ -1,11 +1,13 @@
 """spec_suffix: the counted trie, the shared cache's bound, drafting trees, losslessness on
 the embedded model (alone, batched, with the cache warm), sampling through the core sampler."""
 
+import gc
+import random
 from types import SimpleNamespace
 
 import pytest
 from specdec_suffix import SuffixCache, SuffixConfig, SuffixDrafter
-from specdec_suffix.trie import SuffixTrie
+from specdec_suffix.trie import WIDE, SuffixTrie
 from specdec_test_support import embedded
 
 from specdec import LLM, SamplingParams, testing
@@ -17,11 +19,11 @@ def config(**options):
 
 def counts(trie, node=None, prefix=()):
     """Every counted substring of ``trie`` with its count."""
-    node = node or trie.root
+    node = trie.root if node is None else node
     out = {}
-    for child in node.children():
-        out[prefix + (child.token,)] = child.count
-        out.update(counts(trie, child, prefix + (child.token,)))
+    for child in trie.children(node):
+        out[prefix + (trie.token[child],)] = trie.count[child]
+        out.update(counts(trie, child, prefix + (trie.token[child],)))
     return out
 
 
@@ -50,14 +52,46 @@ def test_the_trie_counts_every_substring_up_to_its_depth_added_at_once_or_token_
     whole.remove(a)
     assert counts(whole) == brute_counts([b], 4) and whole.nodes == len(counts(whole)) + 1
     whole.remove(b)
-    assert whole.root.children() == [] and whole.nodes == 1
+    assert whole.children(whole.root) == [] and whole.nodes == 1
+
+
+def test_wide_nodes_and_freed_nodes_keep_the_counts_exact():
+    """Nodes of more children than WIDE are indexed, and unindexed as they lose them; freed
+    nodes are reused: the counts stay every substring's after adds and removes in any order."""
+    rng = random.Random(1)
+    seqs = [[rng.randrange(30) for _ in range(rng.randint(5, 60))] for _ in range(40)]
+    trie = SuffixTrie(5)
+    for seq in seqs:
+        trie.add(seq)
+    assert any(len(trie.children(n)) > WIDE for n in trie.wide) and counts(trie) == brute_counts(seqs, 5)
+    for seq in seqs[::2]:
+        trie.remove(seq)
+    assert counts(trie) == brute_counts(seqs[1::2], 5) and trie.nodes == len(counts(trie)) + 1
+    for seq in seqs[::2]:  # the freed nodes come back
+        trie.add(seq)
+    assert counts(trie) == brute_counts(seqs, 5) and len(trie.token) < 2 * trie.nodes
+    for seq in seqs:
+        trie.remove(seq)
+    assert trie.nodes == 1 and not trie.wide and trie.children(trie.root) == []
+
+
+def test_the_trie_gives_the_garbage_collector_nothing_per_node():
+    """A full cache holds millions of nodes: as objects, every full collection walked them all."""
+    rng = random.Random(2)
+    words = [rng.randrange(49152) for _ in range(500)]
+    gc.collect()
+    before = len(gc.get_objects())
+    trie = SuffixTrie(24)
+    for _ in range(20):
+        trie.add([rng.choice(words) for _ in range(200)])
+    assert trie.nodes > 50_000 and len(gc.get_objects()) - before < 50
 
 
 def test_the_longest_known_suffix_is_matched():
     trie = SuffixTrie(8)
     trie.add([7, 1, 2, 3, 4, 9])
     node, length = trie.match([5, 5, 1, 2, 3], longest=6)
-    assert length == 3 and [c.token for c in node.children()] == [4]
+    assert length == 3 and [trie.token[c] for c in trie.children(node)] == [4]
     assert trie.match([8, 8], longest=6) == (None, 0)
     assert trie.match([7, 1, 2, 3], longest=2)[1] == 2  # capped
 
@@ -67,22 +101,22 @@ def test_the_draft_tree_is_best_first_with_frequencies_and_a_floor():
     for tail in ([10, 11], [10, 11], [10, 12], [20, 21]):
         trie.add([1, 2] + tail)
     node, _ = trie.match([0, 1, 2], longest=4)
-    tokens, parents, scores = SuffixTrie.draft(node, max_nodes=10, max_depth=3, min_prob=0.2)
+    tokens, parents, scores = trie.draft(node, max_nodes=10, max_depth=3, min_prob=0.2)
     # "1 2" was followed by 10 three times in four, 20 once; 10 by 11 twice in three
     assert tokens == [10, 11, 20, 21, 12] and parents == [-1, 0, -1, 2, 0]  # ties: the latest seen first
     assert scores == pytest.approx([0.75, 0.5, 0.25, 0.25, 0.25])
-    assert SuffixTrie.draft(node, max_nodes=10, max_depth=3, min_prob=0.3)[0] == [10, 11]
-    assert SuffixTrie.draft(node, max_nodes=2, max_depth=1, min_prob=0.0)[0] == [10, 20]
+    assert trie.draft(node, max_nodes=10, max_depth=3, min_prob=0.3)[0] == [10, 11]
+    assert trie.draft(node, max_nodes=2, max_depth=1, min_prob=0.0)[0] == [10, 20]
 
 
 def test_equally_frequent_continuations_are_drafted_latest_first():
     trie = SuffixTrie(6)
     trie.add([1, 2, 30, 1, 2, 40, 1, 2, 35])
     node, _ = trie.match([1, 2], longest=4)
-    assert SuffixTrie.draft(node, max_nodes=3, max_depth=1, min_prob=0.0)[0] == [35, 40, 30]
+    assert trie.draft(node, max_nodes=3, max_depth=1, min_prob=0.0)[0] == [35, 40, 30]
     trie.add([1, 2, 30])  # 30 now seen twice: frequency first
     node, _ = trie.match([1, 2], longest=4)
-    assert SuffixTrie.draft(node, max_nodes=3, max_depth=1, min_prob=0.0)[0] == [30, 35, 40]
+    assert trie.draft(node, max_nodes=3, max_depth=1, min_prob=0.0)[0] == [30, 35, 40]
 
 
 def test_the_cache_forgets_the_least_recent_requests_beyond_its_bounds():
@@ -135,8 +169,6 @@ def test_the_source_rule_chooses_between_the_requests_own_draft_and_the_caches()
 def test_a_match_that_occurred_only_where_a_longer_one_did_is_not_drafted_again():
     """A shorter suffix as frequent as the longer one before it has the same continuations
     and no more nodes: skipping its draft leaves every proposal as drafting each match gives."""
-    import random
-
     rng = random.Random(0)
     phrases = [[rng.randrange(40) for _ in range(rng.randint(3, 9))] for _ in range(12)]
     text = [t for _ in range(60) for t in rng.choice(phrases) + [rng.randrange(40)]]  # repeats and noise
@@ -156,8 +188,8 @@ def test_a_match_that_occurred_only_where_a_longer_one_did_is_not_drafted_again(
                     budget = min(nodes, depth, int(drafter.config.max_spec_factor * matched))
                     if budget <= 0:
                         break
-                    tokens, parents, scores = SuffixTrie.draft(trie.node_of(text[i + 1 - matched:i + 1]), budget,
-                                                               depth, drafter.config.min_token_prob)
+                    tokens, parents, scores = SuffixTrie.draft(trie, trie.node_of(text[i + 1 - matched:i + 1]),
+                                                               budget, depth, drafter.config.min_token_prob)
                     if tokens and (every is None or sum(scores) > every[0]):
                         every = (sum(scores), tokens, parents, matched)
                     skipped += 1
