@@ -577,6 +577,30 @@ def test_each_probe_pays_for_its_drafting_and_an_untimed_drafter_is_probed_one_r
     assert sum(d for d, _ in planner.plan(reqs, [(1, 1)] * 8, shape)) == 1
 
 
+def test_a_probe_pays_for_the_tokens_its_drafter_catches_up_on():
+    """A drafter reading the target's states runs every row a request decoded while off at
+    its next call: a probe after a long spell off costs that too, and the budget pays for
+    the request just off first where it cannot pay for both."""
+    from specdec.executor.planner import StepShape
+
+    costs = FixedCosts(step=1.0, per_token=0.0, per_level=0.1, per_caught_up=0.01)
+    planner, (near, far) = planner_with(costs, probe_share=0.4), [request("near"), request("far")]
+    shape = StepShape([(10, 1)] * 2, padded=True)
+    for req, behind in ((near, 4), (far, 300)):
+        for _ in range(20):
+            planner.observe(req, None, depth=1, accepted=0)
+        req.token_ids += [7] * behind
+        planner.state(req).drafted_at = 3
+        planner.state(req).steps_without_drafts = 40 if req is far else 4  # the far one longest overdue
+    planner.probes.credit = 1.0  # the near probe (0.14) and not the far one (3.1)
+    depths = [d for d, _ in planner.plan([near, far], [(1, 1)] * 2, shape)]
+    assert depths == [1, 0] and planner.probes.credit == pytest.approx(1.0 - 0.14)
+    planner.probes.credit = 3.2
+    assert [d for d, _ in planner.plan([near, far], [(1, 1)] * 2, shape)] == [0, 1]  # paid for in the end
+    planner.observe_drafting([far], 1, 3.1, trees=False)
+    assert planner._behind(far) == 0
+
+
 def cheap_tokens() -> FixedCosts:
     """Each verified token costs 1/500 of a step: asking for drafts looks worth it."""
     return FixedCosts(step=1.0, per_token=0.002, per_level=0.0)

@@ -210,12 +210,14 @@ followed within a few calls.
 @attrs.define
 class FixedCosts:
     """A given cost model: ``step + per_token * tokens`` seconds a step, ``per_level`` a
-    drafted level, whatever the clock says. The defaults are a CPU's shape: weights streamed
-    once per step, extra rows nearly free."""
+    drafted level and ``per_caught_up`` a token the drafter catches up on, whatever the
+    clock says. The defaults are a CPU's shape: weights streamed once per step, extra rows
+    nearly free."""
 
     step: float = 0.03
     per_token: float = 5e-4
     per_level: float = 2e-3
+    per_caught_up: float = 0.0
 
     def observe_step(self, num_tokens: int, work: float, seconds: float, widest: int | None = None) -> None:
         """Measured steps change nothing."""
@@ -227,7 +229,7 @@ class FixedCosts:
         return self.step + self.per_token * num_tokens
 
     def draft_seconds(self, depth: int, trees: bool = False, caught_up: float = 0.0) -> float:
-        return self.per_level * depth
+        return self.per_level * depth + self.per_caught_up * caught_up
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

@@ -12,7 +12,8 @@ and the lookup is asked where asking pays (:mod:`.lookup_worth`). The gains it p
 position, by what the target accepted of the drafts verified against what was expected of
 them (:class:`.acceptance.AcceptanceCalibration`): drafts are verified where their
 estimates are high, so these estimates err high. Requests kept from drafting are probed
-from a budget (:mod:`.probe_budget`); a batch kept entirely from drafting goes a few steps
+from a budget (:mod:`.probe_budget`), each probe priced with the tokens its drafter
+catches up on (a drafter reading the target's states runs every row it missed); a batch kept entirely from drafting goes a few steps
 without planning (:data:`REST_STEPS`), since its estimates change only with verified
 drafts. Until a few drafts were verified, one request a step
 verifies its draft, since the batch's acceptance is a guess until then. The runs behind
@@ -264,9 +265,8 @@ class DraftPlanner:
             return
         caught_up = 0
         for req in reqs:
-            state = self.state(req)
-            caught_up += max(len(req.token_ids) - state.drafted_at, 0)
-            state.drafted_at = len(req.token_ids)
+            caught_up += self._behind(req)
+            self.state(req).drafted_at = len(req.token_ids)
         self.costs.observe_draft(depth, seconds, trees, caught_up)
 
     def observe_decode(self, req, proposal, accepted_nodes: list[int]) -> None:
@@ -375,12 +375,14 @@ class DraftPlanner:
                              functools.partial(self._drafting_seconds, trees=trees, hit=mean_hit))
         load = StepLoad(shape.tokens, options, depths)
         off = [i for i in range(len(reqs)) if depths[i] == 0 and caps[i][0] > 0]
-        drafting_level = self.costs.draft_seconds(1)  # every probe pays its own
+        drafting_level = self.costs.draft_seconds(1)
         for i in self._overdue_first(reqs, off):
             if not drafting_level and self._probing:  # drafting not timed yet: one probe
                 break
             extra = (1 if self.chain_or_tree else min(self.nodes_for_depth(1), caps[i][1])) + round(self.aux_tokens)
-            if self.probes.afford(load.extra_seconds(step, extra) + drafting_level):
+            # every probe pays its own drafting, catching up on the tokens decoded while off
+            drafting = self.costs.draft_seconds(1, caught_up=self._behind(reqs[i]))
+            if self.probes.afford(load.extra_seconds(step, extra) + drafting):
                 load.add(extra)
                 depths[i] = 1
                 chains[i] = self.chain_or_tree
@@ -391,6 +393,10 @@ class DraftPlanner:
                 self._count_off(reqs[i])
         return [(d, d if chain else min(self.nodes_for_depth(d), nodes) if d else 0)
                 for d, chain, (_, nodes) in zip(depths, chains, caps)]
+
+    def _behind(self, req) -> int:
+        """The tokens ``req`` gained since its drafter was last asked: what it catches up on."""
+        return max(len(req.token_ids) - self.state(req).drafted_at, 0)
 
     def _drafting_seconds(self, depth: int, tokens: float, trees: bool, hit: float) -> float:
         """What asking for ``depth`` levels costs, the drafter catching up on the step's
