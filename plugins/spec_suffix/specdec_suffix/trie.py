@@ -10,9 +10,9 @@ replays it, so a cache of whole requests can forget the least recently used.
 
 Why flat arrays: a node is an integer id into typed arrays (its token, count, clock,
 first child, siblings), not a Python object. A cache of a thousand requests holds millions
-of nodes; as objects the garbage collector walked every one of them in each full
-collection (half a second at the cache's default bound), a stall of every request the
-process serves. Arrays and dicts of integers are not walked. Children are a linked list
+of nodes; as objects the garbage collector would walk every one of them in each full
+collection, a stall of every request the process serves. Arrays and dicts of integers
+are not walked. Children are a linked list
 of siblings, scanned where a node has few (most have one), and indexed by a dict of
 token -> child where it has more than :data:`WIDE`.
 """
@@ -47,16 +47,6 @@ class SuffixTrie:
         self.nodes = 1
         #: tokens counted so far: when a substring last occurred (uncounting leaves it)
         self.clock = 0
-
-    def child(self, node: int, token: int) -> int:
-        """The child of ``node`` for ``token``, or :data:`NONE`."""
-        index = self.wide.get(node)
-        if index is not None:
-            return index.get(token, NONE)
-        kid, tokens, siblings = self.first[node], self.token, self.next
-        while kid != NONE and tokens[kid] != token:
-            kid = siblings[kid]
-        return kid
 
     def children(self, node: int) -> list[int]:
         out, kid, siblings = [], self.first[node], self.next
@@ -132,7 +122,7 @@ class SuffixTrie:
                 index = wide.get(node)
                 if index is not None:
                     kid, seen = index.get(token, NONE), WIDE
-                else:  # the child lookup of :meth:`child`, inlined: a token costs ``depth`` of them
+                else:  # scan the siblings (inlined: a token costs ``depth`` of these lookups)
                     kid, seen = first[node], 0
                     while kid != NONE and token_of[kid] != token:
                         kid = siblings[kid]
@@ -180,7 +170,7 @@ class SuffixTrie:
             index = wide.get(node)
             if index is not None:
                 node = index.get(token, NONE)
-            else:  # :meth:`child`, inlined
+            else:  # the siblings scanned, as in :meth:`extend`
                 node = first[node]
                 while node != NONE and token_of[node] != token:
                     node = siblings[node]
