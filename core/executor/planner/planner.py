@@ -8,17 +8,17 @@ before drafting (drafting time counted) and on the proposals (to trim each to th
 own kind earns). Where a drafter may grow a chain instead of its dynamic tree, each request
 gets whichever pays more by its own estimates; where a method has a lookup drafter, its
 draft replaces the method's where it pays as much (:meth:`DraftPlanner.prefer_lookup`),
-and the lookup is asked where asking pays (:mod:`.lookup_worth`). The gains it prices are scaled, position by
-position, by what the target accepted of the drafts verified against what was expected of
-them (:class:`.acceptance.AcceptanceCalibration`): drafts are verified where their
-estimates are high, so these estimates err high. Requests kept from drafting are probed
-from a budget (:mod:`.probe_budget`), each probe priced with the tokens its drafter
-catches up on (a drafter reading the target's states runs every row it missed); a batch kept entirely from drafting goes a few steps
-without planning (:data:`REST_STEPS`), since its estimates change only with verified
-drafts. Until a few drafts were verified, one request a step
-verifies its draft, since the batch's acceptance is a guess until then. The runs behind
-these rules: "Speculation that never loses" in the benchmark diary
-(``git show dd80fd5:BENCHMARKS.md``).
+and the lookup is asked where asking pays (:mod:`.lookup_worth`). The gains it prices are
+scaled, position by position, by what the target accepted of the drafts verified against
+what was expected of them (:class:`.acceptance.AcceptanceCalibration`): drafts are
+verified where their estimates are high, so these estimates err high. Requests kept from
+drafting are probed from a budget (:mod:`.probe_budget`), each probe priced with the
+tokens its drafter catches up on (a drafter reading the target's states runs every row it
+missed); a batch kept entirely from drafting goes a few steps without planning
+(:data:`REST_STEPS`), since its estimates change only with verified drafts. Until a few
+drafts were verified, one request a step verifies its draft, since the batch's acceptance
+is a guess until then. The runs behind these rules: "Speculation that never loses" in the
+benchmark diary (``git show dd80fd5:BENCHMARKS.md``).
 """
 
 from __future__ import annotations

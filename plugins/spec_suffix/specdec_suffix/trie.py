@@ -12,9 +12,9 @@ Why flat arrays: a node is an integer id into typed arrays (its token, count, cl
 first child, siblings), not a Python object. A cache of a thousand requests holds millions
 of nodes; as objects the garbage collector would walk every one of them in each full
 collection, a stall of every request the process serves. Arrays and dicts of integers
-are not walked. Children are a linked list
-of siblings, scanned where a node has few (most have one), and indexed by a dict of
-token -> child where it has more than :data:`WIDE`.
+are not walked. Children are a linked list of siblings, scanned where a node has few
+(most have one), and indexed by a dict of token -> child where it has more than
+:data:`WIDE`.
 """
 
 from __future__ import annotations
