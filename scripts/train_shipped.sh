@@ -133,3 +133,26 @@ $SPECDEC train mtp --data .train/w4a8b/mixed.jsonl --out .train/w4a8b/mtp --quan
 dest=plugins/spec_mtp/specdec_mtp/weights/smollm2-135m-instruct-mtp
 cp .train/w4a8b/mtp/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
 $PY scripts/store_int8.py "$dest/model.safetensors"
+# 14. EAGLE-1, ReDrafter and the draft model learnt from the default target (w4a8): each
+#     shipped one fine-tuned (`--init default`) on step 12's answers (EAGLE-1 and ReDrafter on
+#     the final-norm states of the w4a8 target too), 1 epoch at half its first lr. They
+#     replace the drafters of steps 2, 4 and 6, which learnt the bfloat16 target.
+mkdir -p .train/w4a8b/eagle .train/w4a8b/redrafter .train/w4a8b/draft_target
+for run in eagle redrafter draft_target; do cp -n .train/w4a8b/eagle3/samples.jsonl .train/w4a8b/$run/ || true; done
+$SPECDEC train eagle --data .train/w4a8b/mixed.jsonl --out .train/w4a8b/eagle --quantization w4a8 --init default \
+    --epochs "${EAGLE_EPOCHS:-1}" --batch-size 8 --lr 5e-4 --max-new-tokens 160 --gen-batch-size 32 \
+    --save-every 100 ${RESUME:+--resume}
+dest=plugins/spec_eagle/specdec_eagle/weights/smollm2-135m-instruct-eagle
+cp .train/w4a8b/eagle/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
+ln -sfn ../eagle/features .train/w4a8b/redrafter/features
+cp -n .train/w4a8b/eagle/samples.jsonl .train/w4a8b/redrafter/ || true
+$SPECDEC train redrafter --data .train/w4a8b/mixed.jsonl --out .train/w4a8b/redrafter --quantization w4a8 \
+    --init default --epochs "${REDRAFTER_EPOCHS:-1}" --batch-size 8 --lr 5e-4 --save-every 100 ${RESUME:+--resume}
+dest=plugins/spec_redrafter/specdec_redrafter/weights/smollm2-135m-instruct-redrafter
+cp .train/w4a8b/redrafter/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
+cp -n .train/w4a8b/eagle/samples.jsonl .train/w4a8b/draft_target/ || true
+$SPECDEC train draft_target --data .train/w4a8b/mixed.jsonl --out .train/w4a8b/draft_target --quantization w4a8 \
+    --init default --epochs "${DT_EPOCHS:-1}" --batch-size 8 --lr 5e-4 --save-every 100 ${RESUME:+--resume}
+dest=plugins/spec_draft_target/specdec_draft_target/weights/smollm2-135m-instruct
+cp .train/w4a8b/draft_target/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
+$PY scripts/store_int8.py "$dest/model.safetensors"
