@@ -26,7 +26,7 @@ from .drafting.checkpoint import (
 )
 from .drafting.feature_drafter import FeatureDrafter
 from .drafting.hookspecs import hookimpl
-from .drafting.interface import Drafter, DraftProposal, StepResult, TreeMask
+from .drafting.interface import TREE_KIND, Drafter, DraftProposal, StepResult, TreeMask
 from .drafting.last_state import LastStateDrafter
 from .drafting.layers import ResBlock
 from .drafting.runner import DraftInput, DraftRunner, causal_lm_forward, draft_attention
@@ -46,7 +46,7 @@ __all__ = [
     "SpeculativeConfig", "TreeDraftConfig", "in_range", "FieldError", "ModelLoadError",
     # drafting: the drafter base, its proposals and results, trees and draft-token picking
     "Drafter", "DraftProposal", "StepResult", "TreeMask", "StaticTree", "ancestor_mask", "prefix_trie",
-    "pick_draft_token", "ChainStop", "RelaxedAcceptance", "TypicalAcceptance",
+    "TREE_KIND", "pick_draft_token", "ChainStop", "RelaxedAcceptance", "TypicalAcceptance",
     # drafters that read the target: its shared parts and the machinery that runs draft modules
     "TargetModel", "TargetParts", "ATTENTION_NAME", "FeatureDrafter", "LastStateDrafter", "DraftRunner",
     "DraftInput", "causal_lm_forward", "draft_attention", "ResBlock",

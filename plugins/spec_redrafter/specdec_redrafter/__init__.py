@@ -12,7 +12,8 @@ Options (defaults in brackets):
     max_draft_len [4]: the beams' draft tokens: the tree's depth.
     max_total_draft_tokens [beam_width x max_draft_len]: the most tree nodes per step;
         beams sharing a prefix share its nodes, and a tree over the budget keeps its
-        best beams.
+        best beams. The adaptive planner may ask for the best beam alone (a chain) where
+        it pays more than the tree.
 
 Verification is lossless: greedy output equals the target's greedy output, and sampled
 output follows the target's distribution.
@@ -50,6 +51,13 @@ class ReDrafterConfig(SpeculativeConfig):
 
     def node_budget(self) -> int:
         return self.max_total_draft_tokens or self.beam_width * self.max_draft_len
+
+    @property
+    def chain_or_tree(self) -> bool:
+        """The planner may ask for the best beam alone in place of the beams' tree: on a
+        CPU every verified row past the first costs about a tenth of a step, and a tree of
+        four beams costs four rows a level."""
+        return self.beam_width > 1
 
 
 @hookimpl

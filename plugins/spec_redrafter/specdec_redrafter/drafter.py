@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from specdec.plugin_api import (
+    TREE_KIND,
     DraftProposal,
     LastStateDrafter,
     drafter_directory,
@@ -91,8 +92,11 @@ class ReDrafterDrafter(LastStateDrafter):
         for row, (depth, budget) in enumerate(zip(depths, budgets)):
             candidates = [b for b, ok in zip(beams[row, :, :depth].tolist(), live[row]) if ok]
             tokens, parents = prefix_trie(candidates, depth)
-            # trie nodes come parents first, best beam first: a prefix of them is a tree
-            out.append(DraftProposal(token_ids=tokens[:budget], parents=parents[:budget]))
+            # trie nodes come parents first, best beam first: a prefix of them is a tree, and
+            # its path of first children is the best beam, what a chain of its depth drafts
+            proposal = DraftProposal(token_ids=tokens[:budget], parents=parents[:budget])
+            proposal.kind = None if proposal.is_chain else TREE_KIND
+            out.append(proposal)
         return out
 
     @torch.no_grad()
@@ -123,5 +127,5 @@ class ReDrafterDrafter(LastStateDrafter):
                     ids.append(token)
                     probs.append(q)
             out.append(DraftProposal(token_ids=ids, parents=parents, draft_probs=torch.stack(probs),
-                                     sibling_sampling="iid"))
+                                     sibling_sampling="iid", kind=TREE_KIND if chains > 1 else None))
         return out

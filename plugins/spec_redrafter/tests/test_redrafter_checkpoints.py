@@ -14,12 +14,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from specdec_redrafter import load_drafter
+from specdec_redrafter import ReDrafterConfig, load_drafter
 from specdec_redrafter.checkpoint import drafter_shape
 from specdec_redrafter.model import top_k_scores
 
 from specdec import LLM, SamplingParams, testing
+from specdec.drafting.interface import first_child_path
 from specdec.errors import ConfigError, ModelLoadError
+from specdec.plugin_api import TREE_KIND
 
 H, VOCAB = 64, 128
 
@@ -119,6 +121,28 @@ def test_beam_search_matches_an_exhaustive_search(target, tmp_path):
         scored.sort(key=lambda x: -x[0])
         assert beams[row].tolist() == [p for _, p in scored[:3]]
         assert torch.allclose(score[row].cpu(), torch.tensor([s for s, _ in scored[:3]]), atol=1e-4)
+
+
+@torch.no_grad()
+def test_the_best_beam_is_the_chain_of_the_beams_tree(target, tmp_path):
+    """Beams merged into a tree are marked as one, so that the planner estimates trees and
+    chains apart; asked for no more nodes than levels, the drafter proposes the best beam
+    alone, which is the tree's path of first children (what verifying the tree tells the
+    planner of the chain). One beam is a chain: the planner has nothing to choose."""
+    directory = reference_checkpoint(tmp_path / "drafter", layers=1)
+    spec = LLM(model=str(target), dtype="float32",
+               speculative_config={"decoding_type": "redrafter", "speculative_model": str(directory),
+                                   "beam_width": 4, "max_draft_len": 3})
+    assert spec.engine.planner.chain_or_tree
+    drafter, device = spec.drafter, spec.target.device
+    context = torch.randn(1, H, generator=torch.Generator().manual_seed(2)).to(device)
+    roots = torch.tensor([7], device=device)
+    tree, chain = (drafter._beam_proposals([None], context, roots, [3], [nodes])[0] for nodes in (12, 3))
+    assert tree.kind == TREE_KIND and len(tree.token_ids) > 3
+    assert chain.kind is None and chain.is_chain
+    assert chain.token_ids == [tree.token_ids[n] for n in first_child_path(tree.parents)]
+    assert chain.token_ids == drafter.beam_search(context, roots, 3)[0][0, 0].tolist()
+    assert not ReDrafterConfig(decoding_type="redrafter", beam_width=1).chain_or_tree
 
 
 def test_sampled_output_follows_the_target(target, tmp_path):
