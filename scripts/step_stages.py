@@ -11,8 +11,7 @@ the target's forward, the verifier, the planner (before drafting, trimming, obse
 drafter's hooks (drafting, learning from verified tokens), the scheduler, output and KV
 commit. The stages outside the forward are what speculation costs besides the verified
 rows. The methods' engines live in one process and take each batch in turn, so that the
-machine's drift between minutes falls on all of them (run one after another, a method's
-forward looked 0.7-1.3 ms dearer than plain's where, alternated, it is the same).
+machine's drift between minutes falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -84,6 +83,7 @@ def main() -> None:
             print(f"  {label:20s} {1000 * seconds[label] / steps:7.3f} ms a step")
         outside = seconds["step"] - sum(seconds[label] for _, _, label in STAGES)
         print(f"  {'the rest':20s} {1000 * outside / steps:7.3f} ms a step (the draft stage's items, metrics)")
+
 
 if __name__ == "__main__":
     main()

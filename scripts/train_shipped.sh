@@ -145,12 +145,10 @@ $SPECDEC train eagle --data .train/w4a8b/mixed.jsonl --out .train/w4a8b/eagle --
 dest=plugins/spec_eagle/specdec_eagle/weights/smollm2-135m-instruct-eagle
 cp .train/w4a8b/eagle/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
 ln -sfn ../eagle/features .train/w4a8b/redrafter/features
-cp -n .train/w4a8b/eagle/samples.jsonl .train/w4a8b/redrafter/ || true
 $SPECDEC train redrafter --data .train/w4a8b/mixed.jsonl --out .train/w4a8b/redrafter --quantization w4a8 \
     --init default --epochs "${REDRAFTER_EPOCHS:-1}" --batch-size 8 --lr 5e-4 --save-every 100 ${RESUME:+--resume}
 dest=plugins/spec_redrafter/specdec_redrafter/weights/smollm2-135m-instruct-redrafter
 cp .train/w4a8b/redrafter/{config.json,model.safetensors,draft_vocab.safetensors} "$dest/"
-cp -n .train/w4a8b/eagle/samples.jsonl .train/w4a8b/draft_target/ || true
 $SPECDEC train draft_target --data .train/w4a8b/mixed.jsonl --out .train/w4a8b/draft_target --quantization w4a8 \
     --init default --epochs "${DT_EPOCHS:-1}" --batch-size 8 --lr 5e-4 --save-every 100 ${RESUME:+--resume}
 dest=plugins/spec_draft_target/specdec_draft_target/weights/smollm2-135m-instruct
